@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Sets up a fresh machine for te_ep_torch: installs what is missing (torch
+# from PyPI included) and builds the extension against that torch.
+#   TORCH_SPEC   pip requirement used when torch is missing (default torch==2.11.0)
+#   TE_EP_FORCE_CUDA=0|1  skip / force compiling the CUDA sources
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install --quiet "${TORCH_SPEC:-torch==2.11.0}"
+fi
+missing=()
+for mod in pytest numpy expecttest ninja setuptools wheel; do
+  "$PY" -c "import $mod" 2>/dev/null || missing+=("$mod")
+done
+if ((${#missing[@]})); then
+  "$PY" -m pip install --quiet "${missing[@]}"
+fi
+
+# No build isolation: the extension must link against the torch installed above.
+"$PY" -m pip install --quiet --no-build-isolation --no-deps -e .
+"$PY" -c "import te_ep_torch, torch; print('te_ep_torch', te_ep_torch.__version__, 'on torch', torch.__version__)"
