@@ -54,14 +54,14 @@ def _sources(with_cuda: bool):
 def _extension():
     with_cuda = _want_cuda()
     debug = os.environ.get("TE_EP_DEBUG") == "1"
-    cxx = ["-O0" if debug else "-O3", "-std=c++17"]
+    cxx = ["-O0" if debug else "-O3", "-std=c++20"]
     define_macros = [("TE_EP_WITH_CUDA", "1" if with_cuda else "0")]
     include_dirs = [os.path.join(ROOT, "csrc")]
     if with_cuda:
         arch = os.environ.get("TE_EP_CUDA_ARCH", "90")
         nvcc = [
             "-O3",
-            "-std=c++17",
+            "-std=c++20",
             "--expt-relaxed-constexpr",
             "-lineinfo",
         ] + [f"-gencode=arch=compute_{a},code=sm_{a}" for a in arch.split(";")]
