@@ -487,9 +487,7 @@ std::unique_ptr<Backend> make_nccl_ep_backend(const HandleConfig& cfg) {
               "got capacity=", cfg.capacity, ", num_experts=", cfg.num_experts, ", row bytes=", row_bytes);
 
   auto pg = c10d::resolve_process_group(cfg.group_name);
-  TORCH_CHECK(pg->getSize() == cfg.ep_size && pg->getRank() == cfg.rank, "te_ep.create_handle: process group '",
-              cfg.group_name, "' has rank ", pg->getRank(), " of ", pg->getSize(), ", the handle config says rank ",
-              cfg.rank, " of ", cfg.ep_size);
+  TORCH_INTERNAL_ASSERT(pg->getSize() == cfg.ep_size && pg->getRank() == cfg.rank);
   c10::cuda::CUDAGuard guard(cfg.device);
   const GroupKey key{cfg.num_experts, cfg.max_tokens_per_rank, cfg.capacity, row_bytes};
   auto group = registry().group_for(cfg, pg, key);
