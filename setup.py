@@ -41,6 +41,38 @@ def _want_cuda() -> bool:
     ) is not None
 
 
+def _find_in_site_packages(relative: str):
+    """First sys.path entry that holds `relative`, without importing anything."""
+    for entry in sys.path:
+        candidate = os.path.join(entry or ".", relative)
+        if os.path.isfile(candidate):
+            return candidate
+    return None
+
+
+def _nccl_ep_include_dirs():
+    """Include dirs of nccl_ep.h and nccl.h, or None to build the nccl_ep stub.
+
+    libnccl_ep and libnccl are opened at run time (dlopen), so only their
+    headers are needed here; the nccl_ep backend is compiled when both exist.
+    """
+    ep_include = os.environ.get("TE_EP_NCCL_EP_INCLUDE")
+    if not ep_include:
+        header = _find_in_site_packages(os.path.join("nccl", "ep", "include", "nccl_ep.h"))
+        ep_include = os.path.dirname(header) if header else None
+    if not ep_include or not os.path.isfile(os.path.join(ep_include, "nccl_ep.h")):
+        print("te_ep_torch: nccl_ep.h not found (install nccl-extensions or set TE_EP_NCCL_EP_INCLUDE); "
+              "building without the nccl_ep backend")
+        return None
+    nccl_header = _find_in_site_packages(os.path.join("nvidia", "nccl", "include", "nccl.h"))
+    if nccl_header is None and CUDA_HOME and os.path.isfile(os.path.join(CUDA_HOME, "include", "nccl.h")):
+        nccl_header = os.path.join(CUDA_HOME, "include", "nccl.h")
+    if nccl_header is None:
+        print("te_ep_torch: nccl.h not found (install nvidia-nccl-cu13); building without the nccl_ep backend")
+        return None
+    return [ep_include, os.path.dirname(nccl_header)]
+
+
 def _sources(with_cuda: bool):
     patterns = ["csrc/common/*.cpp", "csrc/torch/*.cpp"]
     if with_cuda:
@@ -58,6 +90,9 @@ def _extension():
     define_macros = [("TE_EP_WITH_CUDA", "1" if with_cuda else "0")]
     include_dirs = [os.path.join(ROOT, "csrc")]
     if with_cuda:
+        nccl_ep_includes = _nccl_ep_include_dirs()
+        define_macros.append(("TE_EP_WITH_NCCL_EP", "1" if nccl_ep_includes else "0"))
+        include_dirs += nccl_ep_includes or []
         arch = os.environ.get("TE_EP_CUDA_ARCH", "90")
         nvcc = [
             "-O3",

@@ -36,4 +36,17 @@ TORCH_LIBRARY(te_ep, m) {
   // ---- permutation (local, no communication) --------------------------------
   // BEGIN permutation schemas
   // END permutation schemas
+
+  // ---- nccl_ep backend plumbing (private; te_ep_torch._nccl_ep calls them) --
+  // BEGIN nccl_ep schemas
+  // Opens libnccl_ep (absolute path) and, if torch has not loaded one, the
+  // given libnccl.so.2; checks versions; returns a one-line description.
+  m.def("_nccl_ep_load(str nccl_ep_lib, str nccl_lib) -> str");
+  // Whether this build contains the nccl_ep backend.
+  m.def("_nccl_ep_built() -> bool");
+  // Called at interpreter exit: later destructors skip NCCL and CUDA calls.
+  m.def("_nccl_ep_at_exit() -> ()");
+  // Collective: drops the NCCL EP groups and communicator of a torch group.
+  m.def("_nccl_ep_release_group(str group_name) -> ()");
+  // END nccl_ep schemas
 }

@@ -1,0 +1,163 @@
+// Framework-free wrappers over the NCCL EP C API: a communicator, an EP group
+// and a per-layer handle, on raw device pointers and cudaStream_t.
+//
+// Mapping of the te_ep op contract (docs/ops.md) onto NCCL EP, high-throughput
+// mode, expert-major layout:
+//   prepare      = ncclEpUpdateHandle        (padded per-expert counts, total)
+//   dispatch     = ncclEpDispatch FWD        (tokens + weights -> slots)
+//   combine      = ncclEpCombine FWD         (unweighted sum back to tokens)
+//   combine_bwd  = ncclEpDispatch BWD        (grad of combine is a dispatch)
+//   dispatch_bwd = ncclEpCombine BWD         (grad of dispatch is a combine,
+//                                             plus the topk_weights gradient)
+#pragma once
+
+#if TE_EP_WITH_CUDA && TE_EP_WITH_NCCL_EP
+
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "common/nccl_ep_runtime.h"
+
+namespace te_ep {
+namespace nccl_ep {
+
+enum class DType { kBFloat16, kFloat16, kFloat32, kInt32, kInt64 };
+
+size_t dtype_size(DType dtype);
+
+using UniqueId = std::array<char, NCCL_UNIQUE_ID_BYTES>;
+
+// A new NCCL unique id; only rank 0 of a communicator calls this.
+UniqueId make_unique_id();
+
+// Our own NCCL communicator over the ranks of one torch process group. It is
+// created next to torch's (not borrowed from it: ProcessGroupNCCL's ncclComm_t
+// is not a stable public API, and NCCL EP registers memory windows on the
+// communicator it is given, which we do not want to do on torch's).
+class Communicator {
+ public:
+  // Collective over the `nranks` processes that pass the same `id`. `device`
+  // must be the current CUDA device.
+  Communicator(const UniqueId& id, int nranks, int rank, int device);
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  ncclComm_t get() const { return comm_; }
+  int device() const { return device_; }
+
+ private:
+  ncclComm_t comm_ = nullptr;
+  int device_ = -1;
+};
+
+struct GroupConfig {
+  int64_t num_experts = 0;
+  int64_t max_tokens_per_rank = 0;
+  // Receive slots of every handle on this group (NCCL EP's
+  // max_recv_tokens_per_rank): the contract's `capacity`.
+  int64_t capacity = 0;
+  // Widest token row (bytes) of the handles on this group; a multiple of 16.
+  int64_t max_token_bytes = 0;
+};
+
+// One ncclEpGroup: NCCL EP's receive budget and staging buffers are sized per
+// group, so every distinct (capacity, row width) needs its own.
+class Group {
+ public:
+  // Collective over the communicator.
+  Group(std::shared_ptr<Communicator> comm, const GroupConfig& config);
+  ~Group();
+  Group(const Group&) = delete;
+  Group& operator=(const Group&) = delete;
+
+  ncclEpGroup_t get() const { return group_; }
+  const GroupConfig& config() const { return config_; }
+  const std::shared_ptr<Communicator>& comm() const { return comm_; }
+
+  // Bytes of handle memory for a handle with this alignment and top_k.
+  size_t handle_mem_size(int64_t alignment, int64_t top_k) const;
+
+ private:
+  std::shared_ptr<Communicator> comm_;
+  GroupConfig config_;
+  ncclEpGroup_t group_ = nullptr;
+};
+
+// One ncclEpHandle bound to caller-owned handle memory. Pointers passed to the
+// calls below are device pointers; `rows` of a receive buffer is always the
+// group's capacity.
+class Handle {
+ public:
+  Handle(std::shared_ptr<Group> group, int64_t alignment, int64_t top_k, void* handle_mem, size_t handle_mem_bytes);
+  ~Handle();
+  Handle(const Handle&) = delete;
+  Handle& operator=(const Handle&) = delete;
+
+  const std::shared_ptr<Group>& group() const { return group_; }
+
+  // topk_idx [num_tokens, top_k] -> expert_counts [num_local_experts] int32
+  // (padded) and recv_total [1] int32 (padded slot total, before any drop).
+  void update(const void* topk_idx, DType idx_dtype, int64_t num_tokens, int64_t top_k, int32_t* expert_counts,
+              int64_t num_local_experts, int32_t* recv_total, cudaStream_t stream);
+
+  // tokens [num_tokens, hidden], weights [num_tokens, top_k] f32
+  //   -> recv_tokens [capacity, hidden], recv_weights [capacity] f32.
+  void dispatch_forward(const void* tokens, DType dtype, int64_t num_tokens, int64_t hidden, const float* weights,
+                        int64_t top_k, void* recv_tokens, float* recv_weights, cudaStream_t stream);
+
+  // grad_out [num_tokens, hidden] -> recv_tokens [capacity, hidden]; no weights.
+  void dispatch_backward(const void* grad_out, DType dtype, int64_t num_tokens, int64_t hidden, void* recv_tokens,
+                         cudaStream_t stream);
+
+  // expert_out [capacity, hidden] -> out [num_tokens, hidden].
+  void combine_forward(const void* expert_out, DType dtype, int64_t hidden, void* out, int64_t num_tokens,
+                       cudaStream_t stream);
+
+  // grad_recv [capacity, hidden], grad_recv_weights [capacity] f32
+  //   -> grad_tokens [num_tokens, hidden], grad_weights [num_tokens, top_k] f32.
+  void combine_backward(const void* grad_recv, const float* grad_recv_weights, DType dtype, int64_t hidden,
+                        void* grad_tokens, float* grad_weights, int64_t num_tokens, int64_t top_k,
+                        cudaStream_t stream);
+
+ private:
+  std::shared_ptr<Group> group_;
+  ncclEpHandle_t handle_ = nullptr;
+};
+
+// ---- small kernels (nccl_ep_kernels.cu) ------------------------------------
+
+// Per-handle device words written by the kernels below.
+struct HandleState {
+  int32_t recv_total_raw;  // NCCL EP's padded total of the last prepare, before any drop
+  int32_t total;           // rows in use after the last prepare (<= capacity)
+  int32_t overflow;        // sticky: 1 once any prepare needed more than capacity
+  int32_t worst_needed;    // largest recv_total_raw seen while overflowing
+  int32_t routing_error;   // TE_EP_CHECK_ROUTING: bit 0 out of range, bit 1 duplicate
+  int32_t first_bad_token; // TE_EP_CHECK_ROUTING: lowest token index with an error
+};
+
+// After ncclEpUpdateHandle: records overflow, writes the rows in use to
+// state->total and total_out, and clips expert_counts so that their prefix sums
+// stay within capacity (keeps a grouped GEMM in bounds on an overflowing step).
+void launch_finish_prepare(HandleState* state, int32_t* expert_counts, int64_t num_local_experts, int32_t* total_out,
+                           int64_t capacity, cudaStream_t stream);
+
+// Zeroes rows [state->total, capacity) of recv rows (row_bytes each, a
+// multiple of 16) and of recv_weights when given.
+void launch_zero_unused_rows(const HandleState* state, void* rows, int64_t row_bytes, float* recv_weights,
+                             int64_t capacity, cudaStream_t stream);
+
+// Validates topk_idx [num_tokens, top_k]: ids in [-1, num_experts), no expert
+// twice in a row. Resets and then fills state->routing_error/first_bad_token.
+void launch_check_routing(const void* topk_idx, bool is_int64, int64_t num_tokens, int64_t top_k,
+                          int64_t num_experts, HandleState* state, cudaStream_t stream);
+
+}  // namespace nccl_ep
+}  // namespace te_ep
+
+#endif  // TE_EP_WITH_CUDA && TE_EP_WITH_NCCL_EP

@@ -1,0 +1,140 @@
+// Small kernels around NCCL EP calls: overflow bookkeeping after prepare,
+// zeroing of unused receive rows, and the debug routing check. Each is one
+// launch on the caller's stream, with no host synchronisation, so the ops stay
+// capturable in a CUDA graph.
+#include "common/nccl_ep_backend.h"
+
+#if TE_EP_WITH_CUDA && TE_EP_WITH_NCCL_EP
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace te_ep {
+namespace nccl_ep {
+
+namespace {
+
+void check_launch(const char* kernel) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("te_ep nccl_ep backend: launching ") + kernel +
+                             " failed: " + cudaGetErrorString(err));
+  }
+}
+
+constexpr int kWarp = 32;
+
+__global__ void finish_prepare_kernel(HandleState* state, int32_t* counts, int64_t num_local_experts,
+                                      int32_t* total_out, int64_t capacity) {
+  int64_t sum = 0;
+  for (int64_t e = threadIdx.x; e < num_local_experts; e += kWarp) sum += counts[e];
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) sum += __shfl_down_sync(0xffffffffu, sum, offset);
+  if (threadIdx.x != 0) return;
+
+  const int64_t needed = max(sum, static_cast<int64_t>(state->recv_total_raw));
+  int64_t total = sum;
+  if (needed > capacity) {
+    // NCCL EP dropped what did not fit; whether its counters are pre- or
+    // post-drop, clip them so every zone lies inside the buffer.
+    int64_t used = 0;
+    for (int64_t e = 0; e < num_local_experts; ++e) {
+      const int64_t keep = min(static_cast<int64_t>(counts[e]), capacity - used);
+      counts[e] = static_cast<int32_t>(keep);
+      used += keep;
+    }
+    total = used;
+    state->overflow = 1;
+    state->worst_needed = static_cast<int32_t>(max(needed, static_cast<int64_t>(state->worst_needed)));
+  }
+  state->total = static_cast<int32_t>(total);
+  total_out[0] = static_cast<int32_t>(total);
+}
+
+__global__ void zero_unused_rows_kernel(const HandleState* state, uint4* rows, int64_t vecs_per_row,
+                                        float* weights, int64_t capacity) {
+  const int64_t first_row = min(static_cast<int64_t>(state->total), capacity);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t start = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t vecs = (capacity - first_row) * vecs_per_row;
+  uint4* base = rows + first_row * vecs_per_row;
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  for (int64_t i = start; i < vecs; i += stride) base[i] = zero;
+  if (weights != nullptr) {
+    for (int64_t i = first_row + start; i < capacity; i += stride) weights[i] = 0.0f;
+  }
+}
+
+template <typename Index>
+__global__ void check_routing_kernel(const Index* idx, int64_t num_tokens, int64_t top_k, int64_t num_experts,
+                                     HandleState* state) {
+  const int64_t token = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (token >= num_tokens) return;
+  const Index* row = idx + token * top_k;
+  int error = 0;
+  for (int64_t k = 0; k < top_k; ++k) {
+    const int64_t expert = static_cast<int64_t>(row[k]);
+    if (expert < -1 || expert >= num_experts) error |= 1;
+    if (expert < 0) continue;
+    for (int64_t j = 0; j < k; ++j) {
+      if (static_cast<int64_t>(row[j]) == expert) error |= 2;
+    }
+  }
+  if (error != 0) {
+    atomicOr(&state->routing_error, error);
+    atomicMin(&state->first_bad_token, static_cast<int32_t>(min(token, static_cast<int64_t>(INT_MAX))));
+  }
+}
+
+int zero_fill_blocks(int64_t work_items) {
+  // Enough blocks to fill an H100/H200 several times over; the grid-stride
+  // loop covers the rest. Sized for the worst case (nothing received) because
+  // the number of unused rows is only known on the device.
+  constexpr int64_t kMaxBlocks = 1056;
+  const int64_t needed = (work_items + 255) / 256;
+  return static_cast<int>(std::max<int64_t>(1, std::min(needed, kMaxBlocks)));
+}
+
+}  // namespace
+
+void launch_finish_prepare(HandleState* state, int32_t* expert_counts, int64_t num_local_experts, int32_t* total_out,
+                           int64_t capacity, cudaStream_t stream) {
+  finish_prepare_kernel<<<1, kWarp, 0, stream>>>(state, expert_counts, num_local_experts, total_out, capacity);
+  check_launch("finish_prepare_kernel");
+}
+
+void launch_zero_unused_rows(const HandleState* state, void* rows, int64_t row_bytes, float* recv_weights,
+                             int64_t capacity, cudaStream_t stream) {
+  if (capacity == 0) return;
+  const int64_t vecs_per_row = row_bytes / static_cast<int64_t>(sizeof(uint4));
+  zero_unused_rows_kernel<<<zero_fill_blocks(capacity * vecs_per_row), 256, 0, stream>>>(
+      state, static_cast<uint4*>(rows), vecs_per_row, recv_weights, capacity);
+  check_launch("zero_unused_rows_kernel");
+}
+
+void launch_check_routing(const void* topk_idx, bool is_int64, int64_t num_tokens, int64_t top_k,
+                          int64_t num_experts, HandleState* state, cudaStream_t stream) {
+  cudaMemsetAsync(&state->routing_error, 0, sizeof(int32_t), stream);
+  // 0x7f7f7f7f: larger than any token index, so atomicMin finds the first.
+  cudaMemsetAsync(&state->first_bad_token, 0x7f, sizeof(int32_t), stream);
+  if (num_tokens == 0) return;
+  const int threads = 256;
+  const int blocks = static_cast<int>((num_tokens + threads - 1) / threads);
+  if (is_int64) {
+    check_routing_kernel<int64_t><<<blocks, threads, 0, stream>>>(static_cast<const int64_t*>(topk_idx), num_tokens,
+                                                                  top_k, num_experts, state);
+  } else {
+    check_routing_kernel<int32_t><<<blocks, threads, 0, stream>>>(static_cast<const int32_t*>(topk_idx), num_tokens,
+                                                                  top_k, num_experts, state);
+  }
+  check_launch("check_routing_kernel");
+}
+
+}  // namespace nccl_ep
+}  // namespace te_ep
+
+#endif  // TE_EP_WITH_CUDA && TE_EP_WITH_NCCL_EP

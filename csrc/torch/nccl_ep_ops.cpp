@@ -1,0 +1,547 @@
+// The nccl_ep backend: the at::Tensor adapter over csrc/common/nccl_ep_*.
+//
+// Per step it launches NCCL EP and a few small kernels on the current CUDA
+// stream, allocates only through the torch caching allocator, and never waits
+// for the GPU, so prepare/dispatch/combine can be captured in a CUDA graph
+// (handles, and with them ncclEpInitHandle, are created before capture).
+// TE_EP_CHECK_ROUTING=1 trades that for synchronous checks agreed on by every
+// rank; see docs/nccl_ep.md.
+#include <torch/library.h>
+
+#include <string>
+
+#include "torch/backend.h"
+#include "torch/nccl_ep_backend.h"
+
+#if TE_EP_WITH_CUDA && TE_EP_WITH_NCCL_EP
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <tuple>
+#include <vector>
+
+#include "common/nccl_ep_backend.h"
+#include "common/nccl_ep_runtime.h"
+
+namespace te_ep {
+
+namespace {
+
+namespace ne = nccl_ep;
+
+constexpr int64_t kRowAlignmentBytes = 16;
+
+ne::DType to_dtype(at::ScalarType type) {
+  switch (type) {
+    case at::kBFloat16:
+      return ne::DType::kBFloat16;
+    case at::kHalf:
+      return ne::DType::kFloat16;
+    case at::kFloat:
+      return ne::DType::kFloat32;
+    case at::kInt:
+      return ne::DType::kInt32;
+    case at::kLong:
+      return ne::DType::kInt64;
+    default:
+      TORCH_CHECK(false, "te_ep nccl_ep backend: unsupported dtype ", type);
+  }
+}
+
+bool is_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+// Collectives through the torch process group: the bootstrap of our NCCL
+// communicator and the error agreement of TE_EP_CHECK_ROUTING=1. They use the
+// group's CUDA backend when it has one (NCCL) and its CPU backend otherwise.
+at::Device collective_device(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const at::Device& cuda_device) {
+  for (const auto& device : pg->getDeviceTypes()) {
+    if (device.is_cuda()) return cuda_device;
+  }
+  return at::Device(at::kCPU);
+}
+
+ne::UniqueId broadcast_unique_id(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const at::Device& device) {
+  ne::UniqueId id{};
+  if (pg->getRank() == 0) id = ne::make_unique_id();
+  at::Tensor host = at::empty({static_cast<int64_t>(id.size())}, at::kByte);
+  std::memcpy(host.data_ptr(), id.data(), id.size());
+  std::vector<at::Tensor> buffers{host.to(collective_device(pg, device))};
+  c10d::BroadcastOptions options;
+  options.rootRank = 0;
+  pg->broadcast(buffers, options)->wait();
+  at::Tensor received = buffers[0].cpu();
+  std::memcpy(id.data(), received.data_ptr(), id.size());
+  return id;
+}
+
+// Every rank's `local` message (truncated to a fixed width), in rank order.
+std::vector<std::string> allgather_messages(const std::string& group_name, const at::Device& device,
+                                            const std::string& local) {
+  constexpr int64_t kWidth = 1024;
+  auto pg = c10d::resolve_process_group(group_name);
+  const at::Device where = collective_device(pg, device);
+  at::Tensor mine = at::zeros({kWidth}, at::kByte);
+  std::memcpy(mine.data_ptr(), local.data(), std::min<size_t>(local.size(), kWidth - 1));
+  std::vector<at::Tensor> inputs{mine.to(where)};
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (int r = 0; r < pg->getSize(); ++r) outputs[0].push_back(at::empty({kWidth}, mine.options().device(where)));
+  pg->allgather(outputs, inputs)->wait();
+  std::vector<std::string> messages;
+  for (const auto& t : outputs[0]) {
+    at::Tensor host = t.cpu();
+    messages.emplace_back(static_cast<const char*>(host.data_ptr()));
+  }
+  return messages;
+}
+
+// Collective: throws on every rank if any rank has a message.
+void agree(const std::string& group_name, const at::Device& device, const std::string& op,
+           const std::string& local) {
+  const auto messages = allgather_messages(group_name, device, local);
+  TORCH_CHECK(local.empty(), local);
+  for (size_t r = 0; r < messages.size(); ++r) {
+    TORCH_CHECK(messages[r].empty(), "te_ep.", op, " failed on rank ", r, ": ", messages[r]);
+  }
+}
+
+// Groups with the same key share one ncclEpGroup. NCCL EP sizes its receive
+// budget and staging buffers per group (max_recv_tokens_per_rank,
+// max_token_bytes), while our handles each choose capacity, hidden and dtype.
+// One group per distinct key gives every handle exactly its own capacity, and
+// layers of one model (which almost always agree on these) share a group.
+struct GroupKey {
+  int64_t num_experts;
+  int64_t max_tokens_per_rank;
+  int64_t capacity;
+  int64_t max_token_bytes;
+
+  bool operator<(const GroupKey& other) const {
+    return std::tie(num_experts, max_tokens_per_rank, capacity, max_token_bytes) <
+           std::tie(other.num_experts, other.max_tokens_per_rank, other.capacity, other.max_token_bytes);
+  }
+};
+
+// What the backend created for one torch process group: one NCCL
+// communicator, shared by all its EP groups.
+struct TorchGroupEntry {
+  int64_t process_group_id = 0;
+  std::shared_ptr<ne::Communicator> comm;
+  std::map<GroupKey, std::shared_ptr<ne::Group>> groups;
+};
+
+class Registry {
+ public:
+  // Collective on first use of a (torch group, key): creates the
+  // communicator and/or the EP group.
+  std::shared_ptr<ne::Group> group_for(const HandleConfig& cfg, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                                       const GroupKey& key) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = entries_.find(cfg.group_name);
+    // Process-group names can be reused after a group is destroyed; an entry
+    // made for an earlier group of the same name must not be picked up.
+    if (it != entries_.end() && it->second.process_group_id != pg->getID()) {
+      entries_.erase(it);
+      it = entries_.end();
+    }
+    if (it == entries_.end()) {
+      TorchGroupEntry entry;
+      entry.process_group_id = pg->getID();
+      const auto id = broadcast_unique_id(pg, cfg.device);
+      entry.comm = std::make_shared<ne::Communicator>(id, pg->getSize(), pg->getRank(), cfg.device.index());
+      it = entries_.emplace(cfg.group_name, std::move(entry)).first;
+    }
+    TorchGroupEntry& entry = it->second;
+    TORCH_CHECK(entry.comm->device() == cfg.device.index(), "te_ep.create_handle: the nccl_ep backend of group '",
+                cfg.group_name, "' runs on cuda:", entry.comm->device(), ", got a handle on ", cfg.device);
+    auto group = entry.groups.find(key);
+    if (group == entry.groups.end()) {
+      ne::GroupConfig config;
+      config.num_experts = key.num_experts;
+      config.max_tokens_per_rank = key.max_tokens_per_rank;
+      config.capacity = key.capacity;
+      config.max_token_bytes = key.max_token_bytes;
+      group = entry.groups.emplace(key, std::make_shared<ne::Group>(entry.comm, config)).first;
+    }
+    return group->second;
+  }
+
+  void release(const std::string& group_name) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    // Dropping our references destroys what no handle holds; live handles
+    // keep their group, and groups their communicator, until they go.
+    entries_.erase(group_name);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<std::string, TorchGroupEntry> entries_;
+};
+
+// Never destroyed: at exit NCCL and the CUDA driver may be gone before a
+// static destructor would run.
+Registry& registry() {
+  static auto* instance = new Registry();
+  return *instance;
+}
+
+class NcclEpBackend final : public Backend {
+ public:
+  NcclEpBackend(const HandleConfig& cfg, std::shared_ptr<ne::Group> group, bool check_routing)
+      : cfg_(cfg), group_(std::move(group)), dtype_(to_dtype(cfg.dtype)), check_routing_(check_routing) {
+    c10::cuda::CUDAGuard guard(cfg_.device);
+    state_ = at::zeros({static_cast<int64_t>(sizeof(ne::HandleState) / sizeof(int32_t))},
+                       at::TensorOptions().dtype(at::kInt).device(cfg_.device));
+    overflow_host_ = at::zeros({2}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&overflow_ready_, cudaEventDisableTiming));
+  }
+
+  ~NcclEpBackend() override {
+    if (ne::process_exiting()) {
+      // Leak: freeing now would call into NCCL EP / CUDA during exit.
+      (void)handle_.release();
+      new at::Tensor(std::move(handle_mem_));
+      new at::Tensor(std::move(state_));
+      new at::Tensor(std::move(overflow_host_));
+      return;
+    }
+    handle_.reset();
+    if (overflow_ready_ != nullptr) cudaEventDestroy(overflow_ready_);
+  }
+
+  at::Tensor allocate_handle_mem() override {
+    TORCH_CHECK(handle_ == nullptr, "te_ep nccl_ep backend: allocate_handle_mem called twice for one handle");
+    c10::cuda::CUDAGuard guard(cfg_.device);
+    const size_t bytes = group_->handle_mem_size(cfg_.alignment, cfg_.top_k);
+    handle_mem_ = at::zeros({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).device(cfg_.device));
+    // NCCL EP binds the handle to this memory for its lifetime; we keep a
+    // reference so it outlives any copy the caller drops. The handle_mem
+    // tensor the ops receive only orders them in a traced graph (under
+    // functionalization it may even be a copy), so the ops do not read it.
+    handle_ = std::make_unique<ne::Handle>(group_, cfg_.alignment, cfg_.top_k, handle_mem_.data_ptr(), bytes);
+    return handle_mem_;
+  }
+
+  void agree_on_errors(const std::string& op, const std::string& local_error) override {
+    if (check_routing_) {
+      agree(cfg_.group_name, cfg_.device, op, local_error);
+      return;
+    }
+    // No per-step collective: agreeing needs the host to wait for every rank.
+    // The faulty rank raises; the others wait in their next NCCL EP call
+    // until the job launcher (torchrun) stops them or NCCL EP times out.
+    TORCH_CHECK(local_error.empty(), local_error);
+  }
+
+  // Checking values needs the GPU, so only TE_EP_CHECK_ROUTING=1 does it:
+  // expert ids in [-1, E), no repeats in a row. ops.cpp then agrees on the
+  // result through agree_on_errors before NCCL EP sees the routing.
+  std::string validate_routing(const at::Tensor& topk_idx) override {
+    if (!check_routing_) return "";
+    c10::cuda::CUDAGuard guard(cfg_.device);
+    cudaStream_t stream = at::cuda::getCurrentCUDAStream(cfg_.device.index()).stream();
+    if (is_capturing(stream)) {
+      return "TE_EP_CHECK_ROUTING=1 waits for the GPU and cannot run under CUDA graph capture; unset it to capture";
+    }
+    const at::Tensor idx = topk_idx.contiguous();
+    ne::launch_check_routing(idx.data_ptr(), idx.scalar_type() == at::kLong, idx.size(0), idx.size(1),
+                             cfg_.num_experts, state(), stream);
+    int32_t host[2] = {0, 0};
+    C10_CUDA_CHECK(cudaMemcpyAsync(host, &state()->routing_error, sizeof(host), cudaMemcpyDeviceToHost, stream));
+    C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+    return host[0] != 0 ? describe_bad_row(idx, host[1], host[0]) : std::string();
+  }
+
+  std::tuple<at::Tensor, at::Tensor> prepare(const at::Tensor& topk_idx, at::Tensor& handle_mem) override {
+    (void)handle_mem;
+    require_handle("prepare");
+    c10::cuda::CUDAGuard guard(cfg_.device);
+    cudaStream_t stream = at::cuda::getCurrentCUDAStream(cfg_.device.index()).stream();
+    const bool capturing = is_capturing(stream);
+    if (!capturing) raise_overflow_seen_earlier();
+
+    const at::Tensor idx = topk_idx.contiguous();
+    const int64_t num_tokens = idx.size(0);
+    const int64_t top_k = idx.size(1);
+
+    const auto int_options = at::TensorOptions().dtype(at::kInt).device(cfg_.device);
+    at::Tensor expert_counts = at::empty({cfg_.num_local_experts()}, int_options);
+    at::Tensor total = at::empty({1}, int_options);
+    handle_->update(idx.data_ptr(), to_dtype(idx.scalar_type()), num_tokens, top_k, expert_counts.data_ptr<int32_t>(),
+                    cfg_.num_local_experts(), &state()->recv_total_raw, stream);
+    ne::launch_finish_prepare(state(), expert_counts.data_ptr<int32_t>(), cfg_.num_local_experts(),
+                              total.data_ptr<int32_t>(), cfg_.capacity, stream);
+    if (check_routing_) {
+      check_overflow_now(stream);
+    } else if (!capturing) {
+      C10_CUDA_CHECK(cudaMemcpyAsync(overflow_host_.data_ptr(), &state()->overflow, 2 * sizeof(int32_t),
+                                     cudaMemcpyDeviceToHost, stream));
+      C10_CUDA_CHECK(cudaEventRecord(overflow_ready_, stream));
+      overflow_pending_ = true;
+    }
+    prepared_num_tokens_ = num_tokens;
+    return {expert_counts, total};
+  }
+
+  std::tuple<at::Tensor, at::Tensor> dispatch(const at::Tensor& tokens, const at::Tensor& topk_weights,
+                                              const at::Tensor& handle_mem) override {
+    (void)handle_mem;
+    require_prepared("dispatch");
+    c10::cuda::CUDAGuard guard(cfg_.device);
+    cudaStream_t stream = at::cuda::getCurrentCUDAStream(cfg_.device.index()).stream();
+    const at::Tensor x = tokens.contiguous();
+    const at::Tensor w = topk_weights.contiguous();
+    at::Tensor recv_tokens = at::empty({cfg_.capacity, cfg_.hidden}, x.options());
+    at::Tensor recv_weights = at::empty({cfg_.capacity}, w.options());
+    handle_->dispatch_forward(x.data_ptr(), dtype_, x.size(0), cfg_.hidden, w.data_ptr<float>(), w.size(1),
+                              recv_tokens.data_ptr(), recv_weights.data_ptr<float>(), stream);
+    // NCCL EP zero-fills alignment padding inside zones; rows after the last
+    // zone are not its output, and the contract wants them zero too.
+    ne::launch_zero_unused_rows(state(), recv_tokens.data_ptr(), row_bytes(), recv_weights.data_ptr<float>(),
+                                cfg_.capacity, stream);
+    return {recv_tokens, recv_weights};
+  }
+
+  at::Tensor combine(const at::Tensor& expert_out, const at::Tensor& handle_mem, int64_t num_tokens) override {
+    (void)handle_mem;
+    require_prepared("combine");
+    c10::cuda::CUDAGuard guard(cfg_.device);
+    cudaStream_t stream = at::cuda::getCurrentCUDAStream(cfg_.device.index()).stream();
+    const at::Tensor y = expert_out.contiguous();
+    // Zeros: a token whose choices were all dropped receives nothing.
+    at::Tensor out = at::zeros({num_tokens, cfg_.hidden}, y.options());
+    handle_->combine_forward(y.data_ptr(), dtype_, cfg_.hidden, out.data_ptr(), num_tokens, stream);
+    return out;
+  }
+
+  std::tuple<at::Tensor, at::Tensor> dispatch_bwd(const at::Tensor& grad_recv_tokens,
+                                                  const at::Tensor& grad_recv_weights, const at::Tensor& handle_mem,
+                                                  int64_t num_tokens) override {
+    (void)handle_mem;
+    require_prepared("dispatch_bwd");
+    c10::cuda::CUDAGuard guard(cfg_.device);
+    cudaStream_t stream = at::cuda::getCurrentCUDAStream(cfg_.device.index()).stream();
+    const at::Tensor g = grad_recv_tokens.contiguous();
+    const at::Tensor gw = grad_recv_weights.contiguous();
+    at::Tensor grad_tokens = at::zeros({num_tokens, cfg_.hidden}, g.options());
+    // Zeros: dropped choices (-1) own no slot and get no gradient.
+    at::Tensor grad_weights = at::zeros({num_tokens, cfg_.top_k}, gw.options());
+    handle_->combine_backward(g.data_ptr(), gw.data_ptr<float>(), dtype_, cfg_.hidden, grad_tokens.data_ptr(),
+                              grad_weights.data_ptr<float>(), num_tokens, cfg_.top_k, stream);
+    return {grad_tokens, grad_weights};
+  }
+
+  at::Tensor combine_bwd(const at::Tensor& grad_out, const at::Tensor& handle_mem) override {
+    (void)handle_mem;
+    require_prepared("combine_bwd");
+    c10::cuda::CUDAGuard guard(cfg_.device);
+    cudaStream_t stream = at::cuda::getCurrentCUDAStream(cfg_.device.index()).stream();
+    const at::Tensor g = grad_out.contiguous();
+    at::Tensor recv = at::empty({cfg_.capacity, cfg_.hidden}, g.options());
+    handle_->dispatch_backward(g.data_ptr(), dtype_, g.size(0), cfg_.hidden, recv.data_ptr(), stream);
+    ne::launch_zero_unused_rows(state(), recv.data_ptr(), row_bytes(), nullptr, cfg_.capacity, stream);
+    return recv;
+  }
+
+  int64_t prepared_num_tokens(const at::Tensor& handle_mem) override {
+    (void)handle_mem;
+    return prepared_num_tokens_;
+  }
+
+ private:
+  ne::HandleState* state() { return reinterpret_cast<ne::HandleState*>(state_.data_ptr<int32_t>()); }
+
+  int64_t row_bytes() const {
+    return cfg_.hidden * static_cast<int64_t>(ne::dtype_size(dtype_));
+  }
+
+  void require_handle(const char* op) const {
+    TORCH_CHECK(handle_ != nullptr, "te_ep.", op, ": the nccl_ep handle has no handle memory yet (create_handle "
+                "allocates it)");
+  }
+
+  void require_prepared(const char* op) const {
+    require_handle(op);
+    TORCH_CHECK(prepared_num_tokens_ >= 0, "te_ep.", op, ": call prepare on this handle first");
+  }
+
+  std::string overflow_message(int32_t needed) const {
+    std::ostringstream msg;
+    msg << "te_ep.prepare: capacity overflow on rank " << cfg_.rank << ": the routing needs " << needed
+        << " receive rows but the handle's capacity is " << cfg_.capacity
+        << "; NCCL EP dropped the rows that did not fit. Create the handle with a larger capacity (at most "
+           "EpGroup.worst_case_capacity).";
+    return msg.str();
+  }
+
+  void reset_overflow(cudaStream_t stream) {
+    C10_CUDA_CHECK(cudaMemsetAsync(&state()->overflow, 0, 2 * sizeof(int32_t), stream));
+  }
+
+  // Default mode: the flag of an earlier prepare, copied asynchronously; read
+  // only once its copy has completed, so this never waits for the GPU. Raises
+  // on the overflowing rank only, one or more steps late.
+  void raise_overflow_seen_earlier() {
+    if (!overflow_pending_) return;
+    const cudaError_t ready = cudaEventQuery(overflow_ready_);
+    if (ready == cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return;
+    }
+    C10_CUDA_CHECK(ready);
+    overflow_pending_ = false;
+    const int32_t* host = overflow_host_.data_ptr<int32_t>();
+    if (host[0] == 0) return;
+    const int32_t needed = host[1];
+    reset_overflow(at::cuda::getCurrentCUDAStream(cfg_.device.index()).stream());
+    TORCH_CHECK(false, overflow_message(needed), " (detected after an earlier step; set TE_EP_CHECK_ROUTING=1 "
+                "to raise in the overflowing step on every rank)");
+  }
+
+  // TE_EP_CHECK_ROUTING=1: read the flag of this prepare now, agree.
+  void check_overflow_now(cudaStream_t stream) {
+    int32_t host[2] = {0, 0};
+    C10_CUDA_CHECK(cudaMemcpyAsync(host, &state()->overflow, sizeof(host), cudaMemcpyDeviceToHost, stream));
+    C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+    std::string local;
+    if (host[0] != 0) {
+      local = overflow_message(host[1]);
+      reset_overflow(stream);
+    }
+    agree(cfg_.group_name, cfg_.device, "prepare", local);
+  }
+
+  std::string describe_bad_row(const at::Tensor& idx, int64_t token, int32_t error) const {
+    const at::Tensor row = idx[token].to(at::kCPU, at::kLong);
+    std::ostringstream msg;
+    msg << "topk_idx[" << token << "] = [";
+    for (int64_t k = 0; k < row.numel(); ++k) msg << (k ? ", " : "") << row.data_ptr<int64_t>()[k];
+    msg << "]";
+    if (error & 1) msg << " has an expert id outside [-1, " << cfg_.num_experts << ")";
+    if ((error & 1) && (error & 2)) msg << " and";
+    if (error & 2) msg << " names the same expert twice";
+    return msg.str();
+  }
+
+  HandleConfig cfg_;
+  std::shared_ptr<ne::Group> group_;
+  ne::DType dtype_;
+  bool check_routing_;
+  std::unique_ptr<ne::Handle> handle_;
+  at::Tensor handle_mem_;
+  at::Tensor state_;
+  at::Tensor overflow_host_;
+  cudaEvent_t overflow_ready_ = nullptr;
+  bool overflow_pending_ = false;
+  int64_t prepared_num_tokens_ = -1;
+};
+
+bool check_routing_requested() {
+  const char* value = std::getenv("TE_EP_CHECK_ROUTING");
+  return value != nullptr && std::string(value) == "1";
+}
+
+std::string load_op(const std::string& nccl_ep_lib, const std::string& nccl_lib) {
+  const auto& info = ne::load(nccl_ep_lib, nccl_lib);
+  return "NCCL EP " + ne::format_version(info.nccl_ep_version) + " (" + info.nccl_ep_path + ") on NCCL " +
+         ne::format_version(info.nccl_version) + " (" + info.nccl_path + ", JIT headers in " + info.nccl_home +
+         "/include)";
+}
+
+}  // namespace
+
+std::unique_ptr<Backend> make_nccl_ep_backend(const HandleConfig& cfg) {
+  TORCH_CHECK(ne::is_loaded(), "te_ep.create_handle: backend 'nccl_ep' needs NCCL EP loaded; call "
+              "te_ep_torch._nccl_ep.load() first (te_ep_torch.EpGroup does this for backend='nccl_ep' and 'auto')");
+  TORCH_CHECK(cfg.device.is_cuda() && cfg.device.has_index(),
+              "te_ep.create_handle: backend 'nccl_ep' needs a CUDA device with an index, got ", cfg.device);
+  const auto* props = at::cuda::getDeviceProperties(cfg.device.index());
+  TORCH_CHECK(props->major >= 9, "te_ep.create_handle: backend 'nccl_ep' needs a GPU of compute capability 9.0 "
+              "(Hopper) or newer, got ", props->name, " (", props->major, ".", props->minor,
+              "); use backend='reference'");
+  TORCH_CHECK(cfg.dtype == at::kBFloat16 || cfg.dtype == at::kHalf || cfg.dtype == at::kFloat,
+              "te_ep.create_handle: backend 'nccl_ep' supports bfloat16, float16 and float32 tokens, got ", cfg.dtype);
+  const int64_t row_bytes = cfg.hidden * static_cast<int64_t>(c10::elementSize(cfg.dtype));
+  TORCH_CHECK(row_bytes % kRowAlignmentBytes == 0, "te_ep.create_handle: backend 'nccl_ep' moves token rows in "
+              "16-byte units, so hidden * element size must be a multiple of 16, got hidden=", cfg.hidden, " (",
+              row_bytes, " bytes of ", cfg.dtype, ")");
+  TORCH_CHECK(cfg.capacity >= cfg.max_tokens_per_rank, "te_ep.create_handle: backend 'nccl_ep' needs capacity >= "
+              "max_tokens_per_rank (NCCL EP's receive budget may not be smaller than its send budget), got capacity=",
+              cfg.capacity, " and max_tokens_per_rank=", cfg.max_tokens_per_rank);
+  TORCH_CHECK(cfg.capacity <= INT32_MAX && cfg.num_experts <= INT32_MAX && row_bytes <= INT32_MAX,
+              "te_ep.create_handle: backend 'nccl_ep' needs capacity, num_experts and hidden row bytes below 2^31, "
+              "got capacity=", cfg.capacity, ", num_experts=", cfg.num_experts, ", row bytes=", row_bytes);
+
+  auto pg = c10d::resolve_process_group(cfg.group_name);
+  TORCH_INTERNAL_ASSERT(pg->getSize() == cfg.ep_size && pg->getRank() == cfg.rank);
+  c10::cuda::CUDAGuard guard(cfg.device);
+  const GroupKey key{cfg.num_experts, cfg.max_tokens_per_rank, cfg.capacity, row_bytes};
+  auto group = registry().group_for(cfg, pg, key);
+  return std::make_unique<NcclEpBackend>(cfg, std::move(group), check_routing_requested());
+}
+
+void release_nccl_ep_group(const std::string& group_name) { registry().release(group_name); }
+
+TORCH_LIBRARY_IMPL(te_ep, CompositeExplicitAutograd, m) {
+  m.impl("_nccl_ep_load", &load_op);
+  m.impl("_nccl_ep_built", []() { return true; });
+  m.impl("_nccl_ep_at_exit", []() { ne::mark_process_exiting(); });
+  m.impl("_nccl_ep_release_group", [](c10::string_view group_name) {
+    release_nccl_ep_group(std::string(group_name.data(), group_name.size()));
+  });
+}
+
+}  // namespace te_ep
+
+#else  // TE_EP_WITH_CUDA && TE_EP_WITH_NCCL_EP
+
+namespace te_ep {
+
+namespace {
+
+constexpr const char* kNotBuilt =
+    "te_ep_torch was built without NCCL EP support, so backend 'nccl_ep' is unavailable. Install the optional "
+    "dependencies with `pip install te_ep_torch[nccl-ep]` (nccl-extensions and nvidia-nccl-cu13>=2.30.7) on a "
+    "machine with the CUDA toolkit, then rebuild: `pip install --no-build-isolation --force-reinstall --no-deps "
+    "te_ep_torch` (setup.py looks for nccl_ep.h in the nccl-extensions package or in $TE_EP_NCCL_EP_INCLUDE). "
+    "Or use backend='reference'.";
+
+std::string load_op(const std::string& nccl_ep_lib, const std::string& nccl_lib) {
+  (void)nccl_ep_lib;
+  (void)nccl_lib;
+  TORCH_CHECK(false, kNotBuilt);
+}
+
+}  // namespace
+
+std::unique_ptr<Backend> make_nccl_ep_backend(const HandleConfig& cfg) {
+  (void)cfg;
+  TORCH_CHECK(false, kNotBuilt);
+}
+
+void release_nccl_ep_group(const std::string& group_name) { (void)group_name; }
+
+TORCH_LIBRARY_IMPL(te_ep, CompositeExplicitAutograd, m) {
+  m.impl("_nccl_ep_load", &load_op);
+  m.impl("_nccl_ep_built", []() { return false; });
+  m.impl("_nccl_ep_at_exit", []() {});
+  m.impl("_nccl_ep_release_group", [](c10::string_view group_name) { (void)group_name; });
+}
+
+}  // namespace te_ep
+
+#endif  // TE_EP_WITH_CUDA && TE_EP_WITH_NCCL_EP

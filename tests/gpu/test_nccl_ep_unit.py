@@ -1,0 +1,162 @@
+"""Tests specific to the nccl_ep backend: discovery, version checks, errors.
+
+The op contract itself (dispatch/combine results, gradients) is tested for both
+backends by the shared test bodies; tests/gpu/smoke_nccl_ep.py runs it on
+several GPUs. Tests here that need a GPU, or NCCL EP, skip with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import te_ep_torch  # noqa: F401  (loads the op library)
+from te_ep_torch import _nccl_ep
+
+OPS = torch.ops.te_ep
+BUILT = bool(OPS._nccl_ep_built())
+AVAILABILITY = _nccl_ep.availability()
+
+needs_build = pytest.mark.skipif(not BUILT, reason="te_ep_torch was built without NCCL EP")
+needs_nccl_ep = pytest.mark.skipif(bool(AVAILABILITY), reason=f"nccl_ep unavailable: {AVAILABILITY}")
+
+
+# ---- discovery (no GPU needed) ------------------------------------------------
+
+
+def _no_distribution(name):
+    raise importlib.metadata.PackageNotFoundError(name)
+
+
+def test_availability_is_a_reason_or_empty():
+    assert isinstance(AVAILABILITY, str)
+    assert _nccl_ep.is_available() == (AVAILABILITY == "")
+
+
+def test_library_override_by_env(tmp_path, monkeypatch):
+    lib = tmp_path / "libnccl_ep.so"
+    lib.write_bytes(b"")
+    monkeypatch.setenv("TE_EP_NCCL_EP_LIB", str(lib))
+    assert _nccl_ep.nccl_ep_library() == str(lib)
+
+
+def test_library_override_to_missing_file_finds_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("TE_EP_NCCL_EP_LIB", str(tmp_path / "missing.so"))
+    assert _nccl_ep.nccl_ep_library() is None
+
+
+def test_libraries_found_on_sys_path_without_metadata(tmp_path, monkeypatch):
+    ep = tmp_path / "nccl" / "ep" / "lib" / "cu13" / "libnccl_ep.so"
+    nccl = tmp_path / "nvidia" / "nccl" / "lib" / "libnccl.so.2"
+    for path in (ep, nccl):
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"")
+    monkeypatch.delenv("TE_EP_NCCL_EP_LIB", raising=False)
+    monkeypatch.setattr(importlib.metadata, "distribution", _no_distribution)
+    monkeypatch.setattr("sys.path", [str(tmp_path)])
+    assert _nccl_ep.nccl_ep_library() == str(ep)
+    assert _nccl_ep.nccl_library() == str(nccl)
+
+
+def test_nothing_installed_finds_nothing(tmp_path, monkeypatch):
+    monkeypatch.delenv("TE_EP_NCCL_EP_LIB", raising=False)
+    monkeypatch.setattr(importlib.metadata, "distribution", _no_distribution)
+    monkeypatch.setattr("sys.path", [str(tmp_path)])
+    assert _nccl_ep.nccl_ep_library() is None
+    assert _nccl_ep.nccl_library() is None
+
+
+@pytest.mark.skipif(_nccl_ep.is_available(), reason="nccl_ep is available here")
+def test_load_when_unavailable_names_the_reason():
+    with pytest.raises(RuntimeError, match="backend 'nccl_ep' is unavailable") as info:
+        _nccl_ep.load()
+    assert AVAILABILITY in str(info.value)
+
+
+@pytest.mark.skipif(BUILT, reason="this build contains the nccl_ep backend")
+def test_stub_build_says_how_to_rebuild():
+    with pytest.raises(RuntimeError, match=r"pip install te_ep_torch\[nccl-ep\]"):
+        OPS._nccl_ep_load("/nonexistent/libnccl_ep.so", "")
+
+
+@needs_build
+def test_load_rejects_a_relative_path():
+    if _nccl_ep._description is not None:
+        pytest.skip("NCCL EP is already loaded in this process; load() ignores later paths")
+    with pytest.raises(RuntimeError, match="must be absolute"):
+        OPS._nccl_ep_load("libnccl_ep.so", "")
+
+
+def test_release_of_an_unknown_group_is_a_noop():
+    OPS._nccl_ep_release_group("no-such-group")
+
+
+# ---- version checks and errors (GPU) ------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+def test_old_nccl_is_reported_with_the_fix():
+    if tuple(torch.cuda.nccl.version()) >= _nccl_ep.MIN_NCCL_VERSION:
+        pytest.skip("torch's NCCL is new enough")
+    if not BUILT or _nccl_ep.nccl_ep_library() is None:
+        pytest.skip("reason would be the missing build or library, not NCCL")
+    assert "nvidia-nccl-cu13>=2.30.7" in AVAILABILITY
+
+
+@pytest.mark.gpu
+@needs_build
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+def test_load_of_a_missing_library_fails_clearly(tmp_path):
+    if _nccl_ep._description is not None:
+        pytest.skip("NCCL EP is already loaded in this process")
+    with pytest.raises(RuntimeError, match="could not open"):
+        OPS._nccl_ep_load(str(tmp_path / "libnccl_ep.so"), "")
+
+
+@pytest.mark.gpu
+@needs_nccl_ep
+def test_load_describes_versions_and_is_idempotent():
+    first = _nccl_ep.load()
+    assert first.startswith("NCCL EP ") and " on NCCL 2." in first
+    assert _nccl_ep.load() == first
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    """A one-rank NCCL process group: enough for create_handle's checks."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    created = not dist.is_initialized()
+    if created:
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=torch.device("cuda", 0))
+    yield dist.group.WORLD.group_name
+    if created:
+        dist.destroy_process_group()
+
+
+def _create(group_name, *, hidden=256, dtype=torch.bfloat16, capacity=512, max_tokens=64):
+    return OPS.create_handle(group_name, "nccl_ep", 8, max_tokens, 2, hidden, capacity, 1, dtype,
+                             torch.device("cuda", 0))
+
+
+@pytest.mark.gpu
+@needs_nccl_ep
+def test_row_width_must_be_a_multiple_of_16_bytes(world_of_one):
+    _nccl_ep.load()
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        _create(world_of_one, hidden=100)
+
+
+@pytest.mark.gpu
+@needs_nccl_ep
+def test_capacity_below_max_tokens_is_rejected(world_of_one):
+    _nccl_ep.load()
+    with pytest.raises(RuntimeError, match="capacity >= max_tokens_per_rank"):
+        _create(world_of_one, capacity=32, max_tokens=64)
