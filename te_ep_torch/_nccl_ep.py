@@ -125,15 +125,6 @@ def availability() -> str:
         if where:
             return f"TE_EP_NCCL_EP_LIB={where} does not name a file"
         return f"nccl-extensions (libnccl_ep.so for CUDA {_CUDA_MAJOR}) is not installed; `{_INSTALL}`"
-    runtime = torch.cuda.nccl.version()
-    if tuple(runtime) < MIN_NCCL_VERSION:
-        newer = nccl_library()
-        hint = f"; or preload it: LD_PRELOAD={newer}" if newer else ""
-        return (
-            f"NCCL EP needs NCCL >= {_format(MIN_NCCL_VERSION)} but torch loaded NCCL {_format(runtime)}; install "
-            f"the newer NCCL into torch's environment (`pip install -U 'nvidia-nccl-cu{_CUDA_MAJOR}>="
-            f"{_format(MIN_NCCL_VERSION)}'`, which replaces the one torch pins){hint}"
-        )
     if _nvcc_cuda_home() is None and not os.environ.get("NCCL_EP_JIT_NVCC"):
         return (
             "nvcc was not found: NCCL EP compiles its kernels at run time and needs the CUDA toolkit "

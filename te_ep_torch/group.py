@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import weakref
 from typing import Dict, Optional, Tuple, Union
 
@@ -18,12 +19,21 @@ BACKENDS = ("auto", "reference", "nccl_ep")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _nccl_ep_available(device: torch.device) -> bool:
+def _auto_backend(device: torch.device) -> str:
+    """``nccl_ep`` where it loads, else ``reference`` (saying why, once per process)."""
     if device.type != "cuda":
-        return False
+        return "reference"
     from . import _nccl_ep
 
-    return _nccl_ep.is_available()
+    reason = _nccl_ep.availability()
+    if not reason:
+        try:
+            _nccl_ep.load()
+            return "nccl_ep"
+        except RuntimeError as exc:
+            reason = str(exc)
+    warnings.warn(f"te_ep_torch: backend='auto' uses 'reference' because nccl_ep is unavailable: {reason}")
+    return "reference"
 
 
 def _default_device(pg: dist.ProcessGroup) -> torch.device:
@@ -95,7 +105,7 @@ class EpGroup:
         if dev.type not in ("cpu", "cuda"):
             raise ValueError(f"EpGroup: device must be cpu or cuda, got {dev}")
         if backend == "auto":
-            backend = "nccl_ep" if _nccl_ep_available(dev) else "reference"
+            backend = _auto_backend(dev)
         elif backend == "nccl_ep" and dev.type != "cuda":
             raise ValueError(f"EpGroup: backend 'nccl_ep' needs a CUDA device, got {dev}")
         if backend == "nccl_ep":
