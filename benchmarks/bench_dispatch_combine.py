@@ -13,7 +13,10 @@ runs through
   rows, regroup expert-major; combine is the reverse plus a scatter-add.
 
 Dispatch time includes the routing exchange (``prepare`` for te_ep, the count
-exchange for the baseline). Each iteration starts after a barrier and a device
+exchange for the baseline). For the te_ep backends two more rows split it:
+``prepare`` (the routing exchange alone) and ``dispatch_op`` (the dispatch op on
+already-prepared routing: the token transport, whose NVLink figure is the one
+to hold against the copy bandwidth). Each iteration starts after a barrier and a device
 synchronisation and is timed with CUDA events; a row reports the median over
 iterations of the slowest rank.
 
@@ -183,6 +186,16 @@ class TeEpBackend:
     def combine(self):
         return self.te.ep_combine(self.handle, self.expert_out, self.routing.tokens.shape[0])
 
+    def prepare_only(self):
+        return self.handle.prepare(self.routing.topk_idx)
+
+    def dispatch_only(self):
+        """The dispatch op alone on the prepared routing: the transport itself."""
+        r, h = self.routing, self.handle
+        return self.te.ops.dispatch(
+            r.tokens, r.topk_weights, h.handle_mem, self.group.group_name, h.id, h.config.capacity
+        )
+
     def close(self) -> None:
         self.expert_out = None
         self.group.shutdown()
@@ -250,6 +263,7 @@ def run_shape(shape: Shape, args, world: int, rank: int, device: torch.device, c
     capacity = fit_capacity(routing, shape, world, args.alignment, args.worst_case_capacity)
     rows = []
     times = {}
+    parts = {}
     for name in args.backends:
         if name == "all_to_all":
             backend = AllToAllBaseline(shape, routing, world)
@@ -259,6 +273,12 @@ def run_shape(shape: Shape, args, world: int, rank: int, device: torch.device, c
             t_dispatch = median_ms(backend.dispatch, args.warmup, args.iters)
             backend.dispatch()
             t_combine = median_ms(backend.combine, args.warmup, args.iters)
+            if name != "all_to_all":
+                # Split dispatch into its routing exchange and the token transport.
+                parts[name] = (
+                    median_ms(backend.prepare_only, args.warmup, args.iters),
+                    median_ms(backend.dispatch_only, args.warmup, args.iters),
+                )
         backend.close()
         del backend
         torch.cuda.empty_cache()
@@ -270,7 +290,10 @@ def run_shape(shape: Shape, args, world: int, rank: int, device: torch.device, c
     baseline = times.get("all_to_all")
     for name, (t_d, t_c) in times.items():
         row = {"shape": shape.label(), "backend": name, "capacity": capacity if name != "all_to_all" else ""}
-        for op, t, base in (("dispatch", t_d, baseline and baseline[0]), ("combine", t_c, baseline and baseline[1])):
+        ops = [("dispatch", t_d, baseline and baseline[0]), ("combine", t_c, baseline and baseline[1])]
+        if name in parts:
+            ops += [("prepare", parts[name][0], None), ("dispatch_op", parts[name][1], None)]
+        for op, t, base in ops:
             nvlink = remote_bytes / (t * 1e-3) / 1e9
             row[f"{op}_ms"] = t
             row[f"{op}_logical_GBps"] = logical_bytes / (t * 1e-3) / 1e9
@@ -290,7 +313,9 @@ def print_table(rows: List[Dict], copy_gbps) -> None:
     print(header)
     print("-" * len(header))
     for row in rows:
-        for op in ("dispatch", "combine"):
+        for op in ("dispatch", "combine", "prepare", "dispatch_op"):
+            if op + "_ms" not in row:
+                continue
             print(
                 f"{row['shape']:<30} {row['backend']:<11} {op:<9} {row[op + '_ms']:>8.3f} "
                 f"{row[op + '_logical_GBps']:>13.1f} {row[op + '_nvlink_GBps']:>12.1f} "
