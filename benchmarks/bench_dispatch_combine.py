@@ -354,7 +354,8 @@ def main() -> None:
         print_table(rows, copy_gbps)
         if args.csv:
             with open(args.csv, "w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+                fields = list(dict.fromkeys(k for row in rows for k in row))
+                writer = csv.DictWriter(f, fieldnames=fields)
                 writer.writeheader()
                 writer.writerows(rows)
     dist.barrier()
