@@ -80,7 +80,7 @@ def worst_case_capacity(num_tokens: int, num_choices: int, num_experts: int, ali
     ``torch.compile``.
     """
     slots = num_tokens * num_choices
-    return slots + torch.sym_min(num_experts, slots) * (alignment - 1)
+    return slots + min(num_experts, slots) * (alignment - 1)
 
 
 def _is_dtensor(t: object) -> bool:

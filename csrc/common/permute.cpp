@@ -133,9 +133,10 @@ MapResult build_permute_map_cpu(const Routing& routing, int64_t num_experts, int
     bool invalid = false;
     const int64_t expert = expert_of_slot(routing, slot, num_experts, &invalid);
     if (invalid) {
-      result.error = "expert id " + std::to_string(load_index(routing.data, routing.index_type, slot)) +
-                     " of token " + std::to_string(slot / routing.num_choices) + ", choice " +
-                     std::to_string(slot % routing.num_choices) + " is outside [-1, " +
+      result.error = "routing holds expert id " +
+                     std::to_string(load_index(routing.data, routing.index_type, slot)) + " (token " +
+                     std::to_string(slot / routing.num_choices) + ", choice " +
+                     std::to_string(slot % routing.num_choices) + "), expected ids in [-1, " +
                      std::to_string(num_experts) + ")";
       return result;
     }

@@ -182,7 +182,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> permute(const Tensor&
     const perm::MapResult map =
         perm::build_permute_map_cpu(view, num_experts, capacity, alignment, row_id_map.data_ptr<int32_t>(),
                                     src_slot.data_ptr<int32_t>(), expert_counts.data_ptr<int32_t>());
-    TORCH_CHECK(map.error.empty(), op, ": routing ", map.error);
+    TORCH_CHECK(map.error.empty(), op, ": ", map.error);
     required_rows.data_ptr<int64_t>()[0] = map.required_rows;
     TORCH_CHECK(map.required_rows <= capacity, op, ": capacity overflow: the routing needs ", map.required_rows,
                 " rows (alignment ", alignment, "), capacity is ", capacity);
