@@ -196,7 +196,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> permute(const Tensor&
   check_choices_cuda(op, routing);
   const cudaStream_t stream = stream_of(tokens);
   Tensor workspace = at::empty(
-      {static_cast<int64_t>(perm::permute_map_workspace_bytes(view.num_tokens, view.num_choices, num_experts))},
+      {static_cast<int64_t>(perm::permute_map_workspace_bytes(view, num_experts))},
       tokens.options().dtype(at::kByte));
   C10_CUDA_CHECK(perm::build_permute_map_cuda(view, num_experts, capacity, alignment, row_id_map.data_ptr<int32_t>(),
                                               src_slot.data_ptr<int32_t>(), expert_counts.data_ptr<int32_t>(),
