@@ -197,6 +197,8 @@ def permute_exact(
     copied back to size the output, so this is eager-only (a graph break under
     ``torch.compile``) and not CUDA-graph capturable. Plain tensors only.
     """
+    if any(_is_dtensor(t) for t in (tokens, routing, probs)):
+        raise TypeError("te_ep.permute_exact: DTensor inputs are not supported; use permute with a capacity")
     num_experts = _resolve_num_experts(routing, num_experts)
     if routing.dtype == torch.bool:
         counts = routing.sum(dim=0, dtype=torch.int64)
@@ -555,7 +557,11 @@ def _register_dtensor_rules() -> None:
             ([s, s], [s, Shard(1), opt(probs, s), None]),
         ]
 
-    DTensor._op_dispatcher._custom_op_handlers[ops.permute.default] = _permute_dtensor_handler
+    # A private DTensor hook; should a torch release drop it, DTensor permute fails
+    # with DTensor's own "no sharding strategy" error instead of breaking the import.
+    handlers = getattr(DTensor._op_dispatcher, "_custom_op_handlers", None)
+    if isinstance(handlers, dict):
+        handlers[ops.permute.default] = _permute_dtensor_handler
 
 
 def _permute_dtensor_handler(op_call, args, kwargs):
