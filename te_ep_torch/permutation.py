@@ -12,11 +12,12 @@ rules; docs/permutation.md is the contract.
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from ._loader import load_library
 
 __all__ = [
     "PermuteMap",
@@ -29,23 +30,7 @@ __all__ = [
 ]
 
 
-def _load_ops() -> None:
-    try:
-        torch.ops.te_ep.permute
-        return
-    except (AttributeError, RuntimeError):
-        pass
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_C.so")
-    try:
-        torch.ops.load_library(path)
-    except OSError as exc:
-        raise ImportError(
-            f"te_ep_torch.permutation: cannot load the compiled op library {path} ({exc}). Build it with "
-            "`python setup.py build_ext --inplace` (or `pip install --no-build-isolation .`)."
-        ) from exc
-
-
-_load_ops()
+load_library()
 
 _ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
