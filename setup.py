@@ -54,7 +54,7 @@ def _sources(with_cuda: bool):
 def _extension():
     with_cuda = _want_cuda()
     debug = os.environ.get("TE_EP_DEBUG") == "1"
-    cxx = ["-O0" if debug else "-O3", "-std=c++17", "-DPy_LIMITED_API=0x03090000"]
+    cxx = ["-O0" if debug else "-O3", "-std=c++17"]
     define_macros = [("TE_EP_WITH_CUDA", "1" if with_cuda else "0")]
     include_dirs = [os.path.join(ROOT, "csrc")]
     if with_cuda:

@@ -42,6 +42,10 @@ class Backend {
   // rank(s). Runs before any data collective so no rank is left waiting.
   virtual void agree_on_errors(const std::string& op, const std::string& local_error) = 0;
 
+  // Checks the values of `topk_idx` where the backend can do so without a
+  // device sync; returns the error message or "".
+  virtual std::string validate_routing(const at::Tensor& topk_idx) { return ""; }
+
   virtual std::tuple<at::Tensor, at::Tensor> prepare(const at::Tensor& topk_idx, at::Tensor& handle_mem) = 0;
   virtual std::tuple<at::Tensor, at::Tensor> dispatch(
       const at::Tensor& tokens, const at::Tensor& topk_weights, const at::Tensor& handle_mem) = 0;
@@ -51,8 +55,8 @@ class Backend {
       int64_t num_tokens) = 0;
   virtual at::Tensor combine_bwd(const at::Tensor& grad_out, const at::Tensor& handle_mem) = 0;
 
-  // Number of tokens recorded by the last `prepare`, or -1 when the backend
-  // cannot tell without a device sync. Used to reject shape mismatches.
+  // Number of tokens of the last successful `prepare` (host-side record),
+  // -1 before the first. Used to reject shape mismatches.
   virtual int64_t prepared_num_tokens(const at::Tensor& handle_mem) = 0;
 };
 

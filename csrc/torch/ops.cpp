@@ -1,0 +1,334 @@
+// Op adapters: the handle registry, argument checks against each handle's
+// config, and the CPU/CUDA registrations that route to a handle's backend.
+#include <torch/library.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+
+#include "common/routing.h"
+#include "torch/backend.h"
+
+namespace te_ep {
+namespace {
+
+struct HandleEntry {
+  HandleConfig cfg;
+  std::unique_ptr<Backend> backend;
+  int64_t handle_mem_numel = 0;
+  at::ScalarType handle_mem_dtype = at::kLong;
+};
+
+std::mutex g_mutex;
+std::unordered_map<int64_t, std::shared_ptr<HandleEntry>> g_handles;
+int64_t g_next_id = 1;
+
+std::string to_string(c10::string_view s) { return std::string(s.data(), s.size()); }
+
+std::string shape_str(const at::Tensor& t) {
+  std::ostringstream out;
+  out << t.sizes();
+  return out.str();
+}
+
+// torch spells dtypes this way in Python; users read these messages there.
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kHalf: return "torch.float16";
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kBool: return "torch.bool";
+    default: return c10::toString(t);
+  }
+}
+
+std::shared_ptr<HandleEntry> lookup(const char* op, int64_t handle_id) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = g_handles.find(handle_id);
+  TORCH_CHECK(
+      it != g_handles.end(), "te_ep.", op, ": handle_id ", handle_id,
+      " is not a live handle (never created, or destroyed by EpHandle.destroy / EpGroup.shutdown)");
+  return it->second;
+}
+
+// Collects the first argument error of an op as a message instead of
+// throwing, so the ranks can agree on it before any rank gives up.
+class ArgCheck {
+ public:
+  ArgCheck(const char* op, const HandleConfig& cfg) : op_(op), cfg_(cfg) {}
+
+  bool ok() const { return error_.empty(); }
+  const std::string& error() const { return error_; }
+
+  template <typename... Args>
+  ArgCheck& require(bool cond, const Args&... parts) {
+    if (ok() && !cond) {
+      std::ostringstream msg;
+      msg << "te_ep." << op_ << ": ";
+      (msg << ... << parts);
+      error_ = msg.str();
+    }
+    return *this;
+  }
+
+  // Device, contiguity and rank of a tensor argument, in the order a user
+  // would want them reported.
+  ArgCheck& tensor(const at::Tensor& t, const char* name, int64_t dim, const char* dims) {
+    require(t.defined(), name, " must be a tensor, got None");
+    if (!ok()) return *this;
+    require(
+        t.device() == cfg_.device, name, " must be on ", cfg_.device, " (the handle's device), got ", t.device());
+    require(t.dim() == dim, name, " must be ", dim, "-D ", dims, ", got shape ", shape_str(t));
+    require(t.is_contiguous(), name, " must be contiguous (got strides ", t.strides(), ")");
+    return *this;
+  }
+
+  ArgCheck& dtype(const at::Tensor& t, const char* name, at::ScalarType expected, const char* why) {
+    return require(
+        t.scalar_type() == expected, name, " must be ", dtype_name(expected), why, ", got ", dtype_name(t.scalar_type()));
+  }
+
+  ArgCheck& size(const at::Tensor& t, const char* name, int64_t d, int64_t expected, const char* what) {
+    if (ok() && t.dim() > d) {
+      require(t.size(d) == expected, name, ".size(", d, ") must be ", expected, " (", what, "), got ", t.size(d));
+    }
+    return *this;
+  }
+
+ private:
+  const char* op_;
+  const HandleConfig& cfg_;
+  std::string error_;
+};
+
+void check_common(ArgCheck& check, HandleEntry& h, const at::Tensor& handle_mem, c10::string_view group_name) {
+  const HandleConfig& cfg = h.cfg;
+  check.require(
+      to_string(group_name) == cfg.group_name, "group_name must be '", cfg.group_name, "' (the handle's group), got '",
+      to_string(group_name), "'");
+  check.tensor(handle_mem, "handle_mem", 1, "[n]");
+  check.require(
+      handle_mem.scalar_type() == h.handle_mem_dtype && handle_mem.numel() == h.handle_mem_numel,
+      "handle_mem must be the buffer returned by create_handle for this handle (", h.handle_mem_numel, " x ",
+      dtype_name(h.handle_mem_dtype), "), got ", handle_mem.numel(), " x ", dtype_name(handle_mem.scalar_type()));
+}
+
+void check_prepared(ArgCheck& check, HandleEntry& h, const at::Tensor& handle_mem, const at::Tensor& t,
+                    const char* name) {
+  const int64_t prepared = h.backend->prepared_num_tokens(handle_mem);
+  check.require(prepared >= 0, "the handle has no routing: call prepare (or ep_dispatch) first");
+  check.size(t, name, 0, prepared, "tokens of the last prepare");
+}
+
+std::tuple<int64_t, at::Tensor> create_handle(
+    c10::string_view group_name, c10::string_view backend, int64_t num_experts, int64_t max_tokens_per_rank,
+    int64_t top_k, int64_t hidden, int64_t capacity, int64_t alignment, at::ScalarType dtype, at::Device device) {
+  HandleConfig cfg;
+  cfg.group_name = to_string(group_name);
+  cfg.backend = to_string(backend);
+  TORCH_CHECK(
+      cfg.backend == "reference" || cfg.backend == "nccl_ep",
+      "te_ep.create_handle: backend must be 'reference' or 'nccl_ep', got '", cfg.backend, "'");
+  auto pg = c10d::resolve_process_group(cfg.group_name);
+  cfg.ep_size = pg->getSize();
+  cfg.rank = pg->getRank();
+  TORCH_CHECK(num_experts > 0, "te_ep.create_handle: num_experts must be positive, got ", num_experts);
+  TORCH_CHECK(
+      num_experts % cfg.ep_size == 0, "te_ep.create_handle: num_experts (", num_experts,
+      ") must be divisible by the EP size (", cfg.ep_size, ")");
+  TORCH_CHECK(
+      max_tokens_per_rank > 0, "te_ep.create_handle: max_tokens_per_rank must be positive, got ", max_tokens_per_rank);
+  TORCH_CHECK(top_k > 0, "te_ep.create_handle: top_k must be positive, got ", top_k);
+  TORCH_CHECK(
+      top_k <= num_experts, "te_ep.create_handle: top_k (", top_k, ") must not exceed num_experts (", num_experts,
+      ")");
+  TORCH_CHECK(hidden > 0, "te_ep.create_handle: hidden must be positive, got ", hidden);
+  TORCH_CHECK(
+      common::is_power_of_two(alignment), "te_ep.create_handle: alignment must be a power of two, got ", alignment);
+  TORCH_CHECK(capacity > 0, "te_ep.create_handle: capacity must be positive, got ", capacity);
+  TORCH_CHECK(
+      dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat,
+      "te_ep.create_handle: dtype must be torch.bfloat16, torch.float16 or torch.float32, got ", dtype_name(dtype));
+  TORCH_CHECK(
+      device.is_cpu() || device.is_cuda(), "te_ep.create_handle: device must be cpu or cuda, got ", device);
+  if (device.is_cuda()) {
+    TORCH_CHECK(
+        device.has_index(), "te_ep.create_handle: device must name a CUDA device index (e.g. cuda:0), got ", device);
+  }
+  cfg.num_experts = num_experts;
+  cfg.max_tokens_per_rank = max_tokens_per_rank;
+  cfg.top_k = top_k;
+  cfg.hidden = hidden;
+  cfg.capacity = capacity;
+  cfg.alignment = alignment;
+  cfg.dtype = dtype;
+  cfg.device = device;
+
+  auto entry = std::make_shared<HandleEntry>();
+  entry->cfg = cfg;
+  entry->backend = cfg.backend == "reference" ? make_reference_backend(cfg) : make_nccl_ep_backend(cfg);
+  at::Tensor mem = entry->backend->allocate_handle_mem();
+  entry->handle_mem_numel = mem.numel();
+  entry->handle_mem_dtype = mem.scalar_type();
+
+  std::lock_guard<std::mutex> lock(g_mutex);
+  const int64_t id = g_next_id++;
+  g_handles.emplace(id, std::move(entry));
+  return {id, mem};
+}
+
+void destroy_handle(int64_t handle_id) {
+  std::shared_ptr<HandleEntry> entry;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_handles.find(handle_id);
+    TORCH_CHECK(it != g_handles.end(), "te_ep.destroy_handle: handle_id ", handle_id, " is not a live handle");
+    entry = std::move(it->second);
+    g_handles.erase(it);
+  }
+}
+
+std::vector<int64_t> live_handles() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  std::vector<int64_t> ids;
+  for (const auto& kv : g_handles) ids.push_back(kv.first);
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+std::tuple<at::Tensor, at::Tensor> prepare(
+    const at::Tensor& topk_idx, at::Tensor& handle_mem, c10::string_view group_name, int64_t handle_id,
+    int64_t num_local_experts) {
+  auto h = lookup("prepare", handle_id);
+  const HandleConfig& cfg = h->cfg;
+  ArgCheck check("prepare", cfg);
+  check_common(check, *h, handle_mem, group_name);
+  check.require(
+      num_local_experts == cfg.num_local_experts(), "num_local_experts must be ", cfg.num_local_experts(),
+      " (num_experts / EP size), got ", num_local_experts);
+  check.tensor(topk_idx, "topk_idx", 2, "[num_tokens, top_k]");
+  check.require(
+      topk_idx.scalar_type() == at::kLong || topk_idx.scalar_type() == at::kInt,
+      "topk_idx must be torch.int64 or torch.int32, got ", dtype_name(topk_idx.scalar_type()));
+  check.size(topk_idx, "topk_idx", 1, cfg.top_k, "the handle's top_k");
+  check.require(
+      !check.ok() || topk_idx.size(0) <= cfg.max_tokens_per_rank, "topk_idx.size(0) (num_tokens) must be at most ",
+      cfg.max_tokens_per_rank, " (max_tokens_per_rank of the group), got ", check.ok() ? topk_idx.size(0) : 0);
+  std::string error = check.error();
+  if (error.empty()) {
+    error = h->backend->validate_routing(topk_idx);
+    if (!error.empty()) error = "te_ep.prepare: " + error;
+  }
+  h->backend->agree_on_errors("prepare", error);
+  return h->backend->prepare(topk_idx, handle_mem);
+}
+
+std::tuple<at::Tensor, at::Tensor> dispatch(
+    const at::Tensor& tokens, const at::Tensor& topk_weights, const at::Tensor& handle_mem,
+    c10::string_view group_name, int64_t handle_id, int64_t capacity) {
+  auto h = lookup("dispatch", handle_id);
+  const HandleConfig& cfg = h->cfg;
+  ArgCheck check("dispatch", cfg);
+  check_common(check, *h, handle_mem, group_name);
+  check.require(capacity == cfg.capacity, "capacity must be ", cfg.capacity, " (the handle's), got ", capacity);
+  check.tensor(tokens, "tokens", 2, "[num_tokens, hidden]");
+  check.dtype(tokens, "tokens", cfg.dtype, " (the handle's dtype)");
+  check.size(tokens, "tokens", 1, cfg.hidden, "the handle's hidden");
+  check_prepared(check, *h, handle_mem, tokens, "tokens");
+  check.tensor(topk_weights, "topk_weights", 2, "[num_tokens, top_k]");
+  check.dtype(topk_weights, "topk_weights", at::kFloat, "");
+  check.size(topk_weights, "topk_weights", 0, check.ok() ? tokens.size(0) : 0, "num_tokens");
+  check.size(topk_weights, "topk_weights", 1, cfg.top_k, "the handle's top_k");
+  h->backend->agree_on_errors("dispatch", check.error());
+  return h->backend->dispatch(tokens, topk_weights, handle_mem);
+}
+
+at::Tensor combine(
+    const at::Tensor& expert_out, const at::Tensor& handle_mem, c10::string_view group_name, int64_t handle_id,
+    int64_t num_tokens) {
+  auto h = lookup("combine", handle_id);
+  const HandleConfig& cfg = h->cfg;
+  ArgCheck check("combine", cfg);
+  check_common(check, *h, handle_mem, group_name);
+  check.tensor(expert_out, "expert_out", 2, "[capacity, hidden]");
+  check.dtype(expert_out, "expert_out", cfg.dtype, " (the handle's dtype)");
+  check.size(expert_out, "expert_out", 0, cfg.capacity, "the handle's capacity");
+  check.size(expert_out, "expert_out", 1, cfg.hidden, "the handle's hidden");
+  const int64_t prepared = h->backend->prepared_num_tokens(handle_mem);
+  check.require(prepared >= 0, "the handle has no routing: call prepare (or ep_dispatch) first");
+  check.require(
+      !check.ok() || num_tokens == prepared, "num_tokens must be ", prepared, " (tokens of the last prepare), got ",
+      num_tokens);
+  h->backend->agree_on_errors("combine", check.error());
+  return h->backend->combine(expert_out, handle_mem, num_tokens);
+}
+
+std::tuple<at::Tensor, at::Tensor> dispatch_bwd(
+    const at::Tensor& grad_recv_tokens, const at::Tensor& grad_recv_weights, const at::Tensor& handle_mem,
+    c10::string_view group_name, int64_t handle_id, int64_t num_tokens, int64_t top_k) {
+  auto h = lookup("dispatch_bwd", handle_id);
+  const HandleConfig& cfg = h->cfg;
+  ArgCheck check("dispatch_bwd", cfg);
+  check_common(check, *h, handle_mem, group_name);
+  check.require(top_k == cfg.top_k, "top_k must be ", cfg.top_k, " (the handle's), got ", top_k);
+  check.tensor(grad_recv_tokens, "grad_recv_tokens", 2, "[capacity, hidden]");
+  check.dtype(grad_recv_tokens, "grad_recv_tokens", cfg.dtype, " (the handle's dtype)");
+  check.size(grad_recv_tokens, "grad_recv_tokens", 0, cfg.capacity, "the handle's capacity");
+  check.size(grad_recv_tokens, "grad_recv_tokens", 1, cfg.hidden, "the handle's hidden");
+  check.tensor(grad_recv_weights, "grad_recv_weights", 1, "[capacity]");
+  check.dtype(grad_recv_weights, "grad_recv_weights", at::kFloat, "");
+  check.size(grad_recv_weights, "grad_recv_weights", 0, cfg.capacity, "the handle's capacity");
+  const int64_t prepared = h->backend->prepared_num_tokens(handle_mem);
+  check.require(prepared >= 0, "the handle has no routing: call prepare (or ep_dispatch) first");
+  check.require(
+      !check.ok() || num_tokens == prepared, "num_tokens must be ", prepared, " (tokens of the last prepare), got ",
+      num_tokens);
+  h->backend->agree_on_errors("dispatch_bwd", check.error());
+  return h->backend->dispatch_bwd(grad_recv_tokens, grad_recv_weights, handle_mem, num_tokens);
+}
+
+at::Tensor combine_bwd(
+    const at::Tensor& grad_out, const at::Tensor& handle_mem, c10::string_view group_name, int64_t handle_id,
+    int64_t capacity) {
+  auto h = lookup("combine_bwd", handle_id);
+  const HandleConfig& cfg = h->cfg;
+  ArgCheck check("combine_bwd", cfg);
+  check_common(check, *h, handle_mem, group_name);
+  check.require(capacity == cfg.capacity, "capacity must be ", cfg.capacity, " (the handle's), got ", capacity);
+  check.tensor(grad_out, "grad_out", 2, "[num_tokens, hidden]");
+  check.dtype(grad_out, "grad_out", cfg.dtype, " (the handle's dtype)");
+  check.size(grad_out, "grad_out", 1, cfg.hidden, "the handle's hidden");
+  check_prepared(check, *h, handle_mem, grad_out, "grad_out");
+  h->backend->agree_on_errors("combine_bwd", check.error());
+  return h->backend->combine_bwd(grad_out, handle_mem);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(te_ep, CompositeExplicitAutograd, m) {
+  m.impl("create_handle", &create_handle);
+  m.impl("destroy_handle", &destroy_handle);
+  m.impl("live_handles", &live_handles);
+}
+
+TORCH_LIBRARY_IMPL(te_ep, CPU, m) {
+  m.impl("prepare", &prepare);
+  m.impl("dispatch", &dispatch);
+  m.impl("combine", &combine);
+  m.impl("dispatch_bwd", &dispatch_bwd);
+  m.impl("combine_bwd", &combine_bwd);
+}
+
+TORCH_LIBRARY_IMPL(te_ep, CUDA, m) {
+  m.impl("prepare", &prepare);
+  m.impl("dispatch", &dispatch);
+  m.impl("combine", &combine);
+  m.impl("dispatch_bwd", &dispatch_bwd);
+  m.impl("combine_bwd", &combine_bwd);
+}
+
+}  // namespace te_ep

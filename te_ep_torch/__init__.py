@@ -1,0 +1,27 @@
+"""te_ep_torch: expert-parallel token dispatch and combine for PyTorch MoE training.
+
+Quick start::
+
+    import te_ep_torch as te
+    group = te.EpGroup(num_experts=64, max_tokens_per_rank=4096)
+    handle = group.create_handle(top_k=8, hidden=4096, dtype=torch.bfloat16, alignment=16)
+    out = te.ep_dispatch(handle, tokens, topk_idx, topk_weights)
+    y = te.ep_combine(handle, expert_fn(out.tokens, out.expert_counts) * out.weights[:, None], tokens.shape[0])
+"""
+
+from ._version import __version__
+from . import ops
+from .autograd import DispatchOutput, ep_combine, ep_dispatch
+from .group import BACKENDS, EpGroup, EpHandle, HandleConfig
+
+__all__ = [
+    "__version__",
+    "ops",
+    "BACKENDS",
+    "EpGroup",
+    "EpHandle",
+    "HandleConfig",
+    "DispatchOutput",
+    "ep_dispatch",
+    "ep_combine",
+]
