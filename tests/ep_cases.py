@@ -952,6 +952,29 @@ def case_config_errors(ctx) -> None:
     group.shutdown()
 
 
+def case_stale_backward(ctx) -> None:
+    """A handle holds only its latest routing: the backward of step 1 after step 2 re-prepared
+    the handle must raise (on every rank, as every rank does the same), not return wrong
+    gradients. Step 2's backward and later steps are unaffected."""
+    W, dev = ctx.world_size, torch.device(ctx.device)
+    st = ERROR_STEP
+    group = make_group(ctx, st)
+    handle = group.create_handle(top_k=st.top_k, hidden=st.hidden, dtype=st.torch_dtype())
+    ys = []
+    for salt in (0, 1):
+        idx_all, w_all = all_inputs(st, W, salt)
+        x = fingerprint(ctx.rank, st.num_tokens(ctx.rank), st.hidden, st.torch_dtype()).to(dev, copy=True).requires_grad_()
+        w = w_all[ctx.rank].to(dev, copy=True).requires_grad_()
+        out = te.ep_dispatch(handle, x, idx_all[ctx.rank].to(dev), w)
+        ys.append((te.ep_combine(handle, (out.tokens.float() * out.weights[:, None]).to(x.dtype), x.shape[0]), x))
+    msg = expect_raises(lambda: ys[0][0].sum().backward(), "prepared again")
+    assert str(handle.id) in msg, msg
+    ys[1][0].float().sum().backward()
+    assert ys[1][1].grad is not None
+    run_exact_step(ctx, group, handle, st, ctx.rank, W, tag="after stale backward: ")
+    group.shutdown()
+
+
 # ---------------------------------------------------------------------------
 # group lifecycle
 # ---------------------------------------------------------------------------
@@ -1176,6 +1199,7 @@ CASES = [
     Case("capacity_overflow", case_capacity_overflow),
     Case("destroyed_handle", case_destroyed_handle),
     Case("config_errors", case_config_errors),
+    Case("stale_backward", case_stale_backward),
     Case("shutdown_reinit", case_shutdown_reinit),
     Case("subgroups", case_subgroups),
     Case("opcheck", case_opcheck, timeout=180),
