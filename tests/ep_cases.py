@@ -712,6 +712,16 @@ def _too_many_tokens(env):
     return x, idx, torch.ones(T, env.K, device=env.w.device)
 
 
+# A dtype may be spelled the c10 way (docs/ops.md's example: "BFloat16") or the torch way
+# ("torch.bfloat16"); the contract asks that it be named, not how.
+DT = {
+    "bf16": ("BFloat16", "bfloat16"),
+    "fp16": ("Half", "float16"),
+    "fp32": ("Float", "float32"),
+    "fp64": ("Double", "float64"),
+}
+
+
 # name -> (faulty rank as a function of W, the call (env, bad) -> None, substrings the
 # faulty rank's message must contain (as a function of env)). The faulty rank alternates
 # between the first and the last one so neither is privileged by accident.
@@ -719,12 +729,12 @@ BAD_INPUTS = {
     "weights_bf16": (
         lambda W: W - 1,
         lambda env, bad: _dispatch(env, w=env.w.bfloat16() if bad else None),
-        lambda env: ["topk_weights", "float32", "BFloat16"],
+        lambda env: ["topk_weights", "float32", DT["bf16"]],
     ),
     "weights_fp64": (
         lambda W: 0,
         lambda env, bad: _dispatch(env, w=env.w.double() if bad else None),
-        lambda env: ["topk_weights", "float32", "Double"],
+        lambda env: ["topk_weights", "float32", DT["fp64"]],
     ),
     "expert_id_too_large": (
         lambda W: W - 1,
@@ -744,7 +754,7 @@ BAD_INPUTS = {
     "idx_float": (
         lambda W: 0,
         lambda env, bad: _dispatch(env, idx=env.idx.float() if bad else None),
-        lambda env: ["topk_idx", "Float"],
+        lambda env: ["topk_idx", DT["fp32"]],
     ),
     "hidden_mismatch": (
         lambda W: W - 1,
@@ -773,7 +783,7 @@ BAD_INPUTS = {
     "tokens_dtype": (
         lambda W: W - 1,
         lambda env, bad: _dispatch(env, x=env.x.half() if bad else None),
-        lambda env: ["tokens", "BFloat16", "Half"],
+        lambda env: ["tokens", DT["bf16"], DT["fp16"]],
     ),
     "too_many_tokens": (
         lambda W: 0,
@@ -818,7 +828,7 @@ BAD_INPUTS = {
     "combine_dtype": (
         lambda W: W - 1,
         lambda env, bad: _bad_then_good_combine(env, bad, lambda env, eo, n: (eo.float(), n)),
-        lambda env: ["expert_out", "BFloat16", "Float"],
+        lambda env: ["expert_out", DT["bf16"], DT["fp32"]],
     ),
 }
 
@@ -842,7 +852,8 @@ def check_collective_error(ctx, call: Callable, faulty: set, expected: Sequence[
     else:
         raise AssertionError(f"rank {ctx.rank}: no error raised (faulty ranks {sorted(faulty)})")
     if ctx.rank in faulty:
-        missing = [s for s in expected if s not in msg]
+        # an entry of `expected` is a substring or a tuple of alternative spellings
+        missing = [s for s in expected if not any(a in msg for a in ((s,) if isinstance(s, str) else s))]
         assert not missing, f"rank {ctx.rank} (faulty): message lacks {missing}: {msg!r}"
     else:
         named = [f for f in faulty if f"rank {f}" in msg]
@@ -907,18 +918,51 @@ def case_destroyed_handle(ctx) -> None:
     assert hid not in torch.ops.te_ep.live_handles()
     msg = expect_raises(lambda: _dispatch(env), str(hid))
     assert "handle" in msg.lower(), msg
-    # destroyed on one rank only (a user bug): that rank names the handle, the others the rank
+    # the group still works
+    h = mk()
+    run_exact_step(ctx, group, h, ERROR_STEP, ctx.rank, W, tag="after destroyed handle: ")
+    group.shutdown()
+
+
+def case_destroyed_handle_one_rank(ctx) -> None:
+    """A handle destroyed on one rank only (a user bug) is an argument error like any other:
+    that rank names the handle, the others name that rank, nobody hangs."""
+    W = ctx.world_size
+    group = make_group(ctx, ERROR_STEP)
+    mk = lambda: group.create_handle(top_k=ERROR_STEP.top_k, hidden=ERROR_STEP.hidden, dtype=ERROR_STEP.torch_dtype())
     h = mk()
     env = _error_env(ctx, group, h)
     faulty = W - 1
     if ctx.rank == faulty:
         h.destroy()
     check_collective_error(ctx, lambda: _dispatch(env), {faulty}, ["handle", str(h.id)])
-    if ctx.rank != faulty:
-        h.destroy()
-    # the group still works
+    h.destroy()
     h = mk()
-    run_exact_step(ctx, group, h, ERROR_STEP, ctx.rank, W, tag="after destroyed handle: ")
+    run_exact_step(ctx, group, h, ERROR_STEP, ctx.rank, W, tag="after one-rank destroyed handle: ")
+    group.shutdown()
+
+
+def case_dispatch_before_prepare(ctx) -> None:
+    """The raw ops can be called on a handle with no routing (never prepared, or its last
+    prepare failed): a user error, so a clear RuntimeError on every rank naming prepare,
+    not an internal assert."""
+    W, dev = ctx.world_size, torch.device(ctx.device)
+    st = ERROR_STEP
+    group = make_group(ctx, st)
+    h = group.create_handle(top_k=st.top_k, hidden=st.hidden, dtype=st.torch_dtype())
+    env = _error_env(ctx, group, h)
+    ops = torch.ops.te_ep
+    cap = h.config.capacity
+    calls = {
+        "dispatch": lambda: ops.dispatch(env.x, env.w, h.handle_mem, group.group_name, h.id, cap),
+        "combine": lambda: ops.combine(torch.zeros(cap, st.hidden, dtype=st.torch_dtype(), device=dev),
+                                       h.handle_mem, group.group_name, h.id, env.T),
+        "combine_bwd": lambda: ops.combine_bwd(env.x, h.handle_mem, group.group_name, h.id, cap),
+    }
+    for name, call in calls.items():
+        msg = expect_raises(call, "prepare")
+        assert "INTERNAL ASSERT" not in msg, f"{name} before prepare hits an internal assert: {msg!r}"
+    run_exact_step(ctx, group, h, st, ctx.rank, W, tag="after dispatch before prepare: ")
     group.shutdown()
 
 
@@ -1107,15 +1151,17 @@ def case_compile(ctx, compile_backend: str) -> None:
 # ---------------------------------------------------------------------------
 # opcheck
 # ---------------------------------------------------------------------------
-def case_opcheck(ctx) -> None:
+def case_opcheck(ctx, which: int) -> None:
     """torch.library.opcheck of every communication op; all ranks run the same calls, so
     the collectives inside line up."""
     from torch.library import opcheck
 
     W, r, dev = ctx.world_size, ctx.rank, torch.device(ctx.device)
     ops = torch.ops.te_ep
-    for st in (Step(top_k=2, hidden=16, dtype="bf16", tokens=(5, 7), alignment=8, seed=50),
-               Step(top_k=3, hidden=16, dtype="fp32", idx_dtype="i32", tokens=(4, 0), experts_per_rank=3, seed=51)):
+    steps = (Step(top_k=2, hidden=16, dtype="bf16", tokens=(5, 7), alignment=8, seed=50),
+             # a rank without tokens: zero-row tensors through every op and its fake kernel
+             Step(top_k=3, hidden=16, dtype="fp32", idx_dtype="i32", tokens=(4, 0), experts_per_rank=3, seed=51))
+    for st in steps[which : which + 1]:
         group = make_group(ctx, st)
         h = group.create_handle(top_k=st.top_k, hidden=st.hidden, dtype=st.torch_dtype(), alignment=st.alignment)
         idx_all, w_all = all_inputs(st, W)
@@ -1123,6 +1169,8 @@ def case_opcheck(ctx) -> None:
         idx, w = idx_all[r].to(dev), w_all[r].to(dev)
         x = fingerprint(r, T, st.hidden, st.torch_dtype()).to(dev)
         opcheck(ops.prepare.default, (idx, h.handle_mem, gname, h.id, El))
+        # opcheck ran prepare on copies of handle_mem: record this step's routing for real
+        ops.prepare(idx, h.handle_mem, gname, h.id, El)
         opcheck(ops.dispatch.default, (x, w, h.handle_mem, gname, h.id, cap))
         recv, recv_w = ops.dispatch(x, w, h.handle_mem, gname, h.id, cap)
         opcheck(ops.combine.default, (recv, h.handle_mem, gname, h.id, T))
@@ -1194,15 +1242,20 @@ CASES = [
     Case("capacity_exact", case_exact_steps, (CAPACITY_STEPS,)),
     *[Case(f"moe_dense_{k}", case_moe_dense, (v,)) for k, v in MOE_LAYERS.items()],
     Case("two_layers_raw_ops", case_two_layers_raw),
-    Case("bad_inputs_dispatch", case_bad_inputs, ([n for n in _BAD_NAMES if not n.startswith("combine")],), timeout=120),
-    Case("bad_inputs_combine", case_bad_inputs, ([n for n in _BAD_NAMES if n.startswith("combine")],)),
+    # one case per bad input: a library failure on one (a crash, a hang) must not hide the others
+    *[Case(f"bad_input_{n}", case_bad_inputs, ([n],)) for n in _BAD_NAMES],
+    Case("bad_inputs_in_a_row", case_bad_inputs, (["weights_bf16", "expert_id_too_large", "combine_num_tokens",
+                                                   "hidden_mismatch"],)),
     Case("capacity_overflow", case_capacity_overflow),
     Case("destroyed_handle", case_destroyed_handle),
+    Case("destroyed_handle_one_rank", case_destroyed_handle_one_rank),
+    Case("dispatch_before_prepare", case_dispatch_before_prepare),
     Case("config_errors", case_config_errors),
     Case("stale_backward", case_stale_backward),
     Case("shutdown_reinit", case_shutdown_reinit),
     Case("subgroups", case_subgroups),
-    Case("opcheck", case_opcheck, timeout=180),
+    Case("opcheck", case_opcheck, (0,), timeout=120),
+    Case("opcheck_empty_rank", case_opcheck, (1,), timeout=120),
     Case("compile_aot_eager", case_compile, ("aot_eager",), world_sizes=(2,), timeout=300),
     Case("compile_inductor", case_compile, ("inductor",), world_sizes=(2,), timeout=600),
     # nothing may assume <= 4 ranks
