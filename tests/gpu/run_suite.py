@@ -64,11 +64,20 @@ class _Watchdog:
     def __init__(self, rank: int):
         self.rank = rank
         self._timer: threading.Timer | None = None
+        # this rank's error, if it failed and now waits for the others (which may be
+        # stuck in a collective it left): printed on expiry, else it would be lost
+        self.pending_error: str | None = None
 
     def arm(self, name: str, seconds: float, counts: list) -> None:
+        self.pending_error = None
+
         def fire():
             passed, failed = counts
-            print(f"FAIL {name} (hang: not finished on rank {self.rank} after {seconds:.0f} s)", flush=True)
+            if self.pending_error is not None:
+                print(f"FAIL {name}: rank {self.rank} raised, and the others did not finish "
+                      f"within {seconds:.0f} s:\n{self.pending_error}", flush=True)
+            else:
+                print(f"FAIL {name} (hang: not finished on rank {self.rank} after {seconds:.0f} s)", flush=True)
             print(f"{passed} passed, {failed + 1} failed", flush=True)
             os._exit(1)
 
@@ -116,6 +125,7 @@ def main() -> int:
             err = None
         except BaseException:
             err = traceback.format_exc()
+            watchdog.pending_error = err
         statuses = [None] * world_size
         dist.all_gather_object(statuses, err, group=status_group)
         watchdog.disarm()
