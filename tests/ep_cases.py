@@ -1220,6 +1220,62 @@ def case_backend_agreement(ctx, steps: Sequence[Step]) -> None:
 
 
 # ---------------------------------------------------------------------------
+# CUDA graphs (GPU backends that never sync the host)
+# ---------------------------------------------------------------------------
+def case_cuda_graph(ctx) -> None:
+    """prepare + dispatch + per-expert linear + combine captured once in a CUDA graph;
+    replays on fresh tokens and routing (copied into the captured inputs) equal eager."""
+    import te_ep_torch as te
+
+    dev = torch.device(ctx.device)
+    T, H, K = 96, 128, 2
+    group = te.EpGroup(num_experts=4 * ctx.world_size, max_tokens_per_rank=T, backend=ctx.backend)
+    handle = group.create_handle(top_k=K, hidden=H, dtype=torch.bfloat16, alignment=16)
+    gen = torch.Generator().manual_seed(7)
+    w1 = (torch.randn(group.num_experts, H, H, generator=gen) * H**-0.5).to(dev, torch.bfloat16)
+    w1 = w1[ctx.rank * group.num_local_experts:(ctx.rank + 1) * group.num_local_experts]
+
+    def step(x, idx, w):
+        out = te.ep_dispatch(handle, x, idx, w)
+        rows = torch.arange(out.tokens.shape[0], device=dev)
+        expert = torch.bucketize(rows, out.expert_counts.cumsum(0), right=True).clamp(max=w1.shape[0] - 1)
+        y = torch.bmm(out.tokens[:, None], w1[expert]).squeeze(1) * out.weights[:, None].to(torch.bfloat16)
+        return te.ep_combine(handle, y, x.shape[0])
+
+    def inputs(seed):
+        g = torch.Generator().manual_seed(1000 * seed + ctx.rank)
+        x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
+        idx = torch.rand(T, group.num_experts, generator=g).topk(K, dim=1).indices
+        idx[torch.rand(T, K, generator=g) < 0.1] = -1
+        w = torch.rand(T, K, generator=g).to(dev)
+        return x, idx.to(dev), w
+
+    static = inputs(0)
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step(*static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = step(*static)
+        for seed in (1, 2, 3):
+            fresh = inputs(seed)
+            for dst, src in zip(static, fresh):
+                dst.copy_(src)
+            graph.replay()
+            replayed = static_out.clone()
+            eager = step(*fresh)
+            torch.cuda.synchronize()
+            assert torch.allclose(replayed.float(), eager.float(), rtol=2e-2, atol=2e-2), (
+                f"replay {seed}: max |graph - eager| = {(replayed.float() - eager.float()).abs().max().item()}"
+            )
+    group.shutdown()
+
+
+# ---------------------------------------------------------------------------
 # the case list shared by the CPU and GPU launchers
 # ---------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
@@ -1231,6 +1287,11 @@ class Case:
     min_world: int = 2
     only_non_reference: bool = False  # needs a backend other than "reference"
     timeout: float = 60.0
+    # Expects every rank to raise when one rank's input is bad: the nccl_ep
+    # backend agrees on errors only with TE_EP_CHECK_ROUTING=1 (docs/nccl_ep.md).
+    needs_agreement: bool = False
+    # Agreement for a handle that only some ranks destroyed: reference backend only.
+    reference_only: bool = False
 
 
 _BAD_NAMES = sorted(BAD_INPUTS)
@@ -1243,12 +1304,12 @@ CASES = [
     *[Case(f"moe_dense_{k}", case_moe_dense, (v,)) for k, v in MOE_LAYERS.items()],
     Case("two_layers_raw_ops", case_two_layers_raw),
     # one case per bad input: a library failure on one (a crash, a hang) must not hide the others
-    *[Case(f"bad_input_{n}", case_bad_inputs, ([n],)) for n in _BAD_NAMES],
+    *[Case(f"bad_input_{n}", case_bad_inputs, ([n],), needs_agreement=True) for n in _BAD_NAMES],
     Case("bad_inputs_in_a_row", case_bad_inputs, (["weights_bf16", "expert_id_too_large", "combine_num_tokens",
-                                                   "hidden_mismatch"],)),
-    Case("capacity_overflow", case_capacity_overflow),
+                                                   "hidden_mismatch"],), needs_agreement=True),
+    Case("capacity_overflow", case_capacity_overflow, needs_agreement=True),
     Case("destroyed_handle", case_destroyed_handle),
-    Case("destroyed_handle_one_rank", case_destroyed_handle_one_rank),
+    Case("destroyed_handle_one_rank", case_destroyed_handle_one_rank, reference_only=True),
     Case("dispatch_before_prepare", case_dispatch_before_prepare),
     Case("config_errors", case_config_errors),
     Case("stale_backward", case_stale_backward),
@@ -1262,6 +1323,7 @@ CASES = [
     Case("smoke_8_ranks", case_exact_steps, ([ROUTING_STEPS[0], ROUTING_STEPS[3], ALIGNMENT_STEPS[-1]],),
          world_sizes=(8,), timeout=120),
     Case("smoke_8_ranks_moe", case_moe_dense, (MOE_LAYERS["two_layers"],), world_sizes=(8,), timeout=120),
+    Case("cuda_graph", case_cuda_graph, world_sizes=(), only_non_reference=True, timeout=180),
     Case("backend_agreement", case_backend_agreement,
          ([Step(top_k=2, hidden=64, dtype="bf16"), Step(top_k=4, hidden=32, dtype="fp32", alignment=16,
                                                          experts_per_rank=4, drop=0.2, tokens=(13, 0, 7))],),

@@ -38,6 +38,10 @@ for w in ${TE_EP_WORLD_SIZES:-2 4}; do
     run "suite W=$w backend=$backend" "$LOG/suite.log" \
       timeout 900 "$PY" -m torch.distributed.run --standalone --nproc-per-node="$w" tests/gpu/run_suite.py --backend "$backend"
   done
+  # The error-agreement cases, on nccl_ep's checking mode.
+  run "suite W=$w nccl_ep TE_EP_CHECK_ROUTING=1" "$LOG/suite.log" \
+    env TE_EP_CHECK_ROUTING=1 timeout 900 "$PY" -m torch.distributed.run --standalone --nproc-per-node="$w" \
+    tests/gpu/run_suite.py --backend nccl_ep --agreement only
   run "nccl_ep smoke W=$w" "$LOG/smoke.log" \
     timeout 600 "$PY" -m torch.distributed.run --standalone --nproc-per-node="$w" tests/gpu/smoke_nccl_ep.py
 done

@@ -23,8 +23,8 @@ import sys
 import threading
 import traceback
 
-# NVLink SHARP multicast (NVLS) is off unless asked for: see KINDS.md of the lab setup,
-# and it isn't what these tests are about.
+# NVLink multicast (NVLS) stays off: shared machines require it, and it isn't
+# what these tests are about.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -42,12 +42,22 @@ from _dist import Ctx  # noqa: E402
 GPU_TIMEOUT_FACTOR = 2.0  # the CPU deadlines, stretched for first-call CUDA/NCCL set-up
 
 
-def _select(backend: str, world_size: int, pattern: str | None):
+def _select(backend: str, world_size: int, pattern: str | None, agreement: str, skipped: list):
     out = []
     for case in ep_cases.CASES:
         if world_size < case.min_world:
             continue
         if case.only_non_reference and backend == "reference":
+            continue
+        if case.reference_only and backend != "reference":
+            skipped.append((case.name, "error agreement for a handle destroyed on some ranks only is a "
+                                       "reference-backend feature"))
+            continue
+        agreeing = backend == "reference" or os.environ.get("TE_EP_CHECK_ROUTING") == "1"
+        if agreement == "only" and not case.needs_agreement:
+            continue
+        if case.needs_agreement and not agreeing:
+            skipped.append((case.name, f"{backend} agrees on errors across ranks only with TE_EP_CHECK_ROUTING=1"))
             continue
         # The CPU suite restricts some cases to certain sizes only to save CPU time;
         # on GPUs every case runs at the launched size, except the 8-rank smoke cases,
@@ -96,6 +106,8 @@ def main() -> int:
     ap.add_argument("--backend", required=True, choices=("nccl_ep", "reference"))
     ap.add_argument("-k", dest="pattern", default=None, help="run only cases whose name contains this")
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU instead (to check this runner without GPUs)")
+    ap.add_argument("--agreement", choices=("include", "only"), default="include",
+                    help="'only': run just the cases that need every rank to raise on one rank's bad input")
     args = ap.parse_args()
 
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -113,7 +125,11 @@ def main() -> int:
     status_group = dist.new_group(backend="gloo")
     ctx = Ctx(rank=rank, world_size=world_size, device=str(dev), backend=args.backend)
 
-    cases = _select(args.backend, world_size, args.pattern)
+    skipped: list = []
+    cases = _select(args.backend, world_size, args.pattern, args.agreement, skipped)
+    if rank == 0:
+        for name, why in skipped:
+            print(f"SKIP {name}: {why}", flush=True)
     counts = [0, 0]
     watchdog = _Watchdog(rank)
     for case in cases:
@@ -142,7 +158,7 @@ def main() -> int:
             if rank == 0:
                 print(f"PASS {case.name}", flush=True)
     if rank == 0:
-        print(f"{counts[0]} passed, {counts[1]} failed", flush=True)
+        print(f"{counts[0]} passed, {counts[1]} failed, {len(skipped)} skipped", flush=True)
     ok = counts[1] == 0 and counts[0] > 0
     dist.barrier(group=status_group)
     dist.destroy_process_group()
