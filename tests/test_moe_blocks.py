@@ -279,24 +279,30 @@ def test_copy_parameters_checks_names_and_shapes():
     assert torch.equal(a.weight, c.weight) and torch.equal(a.bias, c.bias)
 
 
-def _run_bench(tmp_path, *extra):
-    csv_path = tmp_path / "moe_layer.csv"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-        str(REPO / "benchmarks" / "bench_moe_layer.py"), "--device", "cpu", "--warmup", "1", "--iters", "2",
-        "--csv", str(csv_path), *extra,
-    ]
+def _torchrun(script, *args, cwd) -> str:
+    """Runs ``script`` on WORLD CPU ranks under torchrun; returns its output (stdout + stderr)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
+           str(script), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if (REPO / "te_ep_torch" / "_C.so").exists():
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     # A session of its own, so that a hang can be ended with every rank torchrun started.
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
-        pytest.fail(f"bench_moe_layer.py did not finish within {TIMEOUT_S}s:\n{output}")
+        pytest.fail(f"{script} did not finish within {TIMEOUT_S}s:\n{output}")
     assert proc.returncode == 0, output
+    return output
+
+
+def _run_bench(tmp_path, *extra):
+    csv_path = tmp_path / "moe_layer.csv"
+    output = _torchrun(REPO / "benchmarks" / "bench_moe_layer.py", "--device", "cpu", "--warmup", "1",
+                       "--iters", "2", "--csv", str(csv_path), *extra, cwd=tmp_path)
     with open(csv_path) as f:
         rows = list(csv.DictReader(f))
     return output, rows
@@ -321,3 +327,14 @@ def test_bench_moe_layer_cpu_bf16_grouped_mm(tmp_path):
     assert "MISMATCH" not in output, output
     assert [r["gemm"] for r in rows] == ["grouped_mm", "grouped_mm"]
     assert [r["dtype"] for r in rows] == ["bf16", "bf16"]
+
+
+def test_tutorial_comparison_script_runs(tmp_path):
+    text = (REPO / "docs" / "tutorial.md").read_text()
+    start = text.index("# compare_blocks.py")
+    script = tmp_path / "compare_blocks.py"
+    script.write_text(text[start : text.index("```", start)])
+    output = _torchrun(script, cwd=REPO)
+    diffs = [float(line.split()[-1]) for line in output.splitlines() if "max |diff|" in line]
+    assert len(diffs) == WORLD * len(QUANTITIES), output
+    assert max(diffs) <= 1e-5, output
