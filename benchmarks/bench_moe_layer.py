@@ -1,7 +1,8 @@
 """MoE layer forward + backward: te_ep_torch vs plain PyTorch expert parallelism.
 
-    torchrun --nproc-per-node=4 benchmarks/bench_moe_layer.py [--backend auto reference] [--csv out.csv]
-    torchrun --nproc-per-node=2 benchmarks/bench_moe_layer.py --device cpu    # script check, gloo, tiny sizes
+    torchrun --standalone --nproc-per-node=4 benchmarks/bench_moe_layer.py [--backend auto reference] [--csv out.csv]
+    torchrun --standalone --nproc-per-node=gpu benchmarks/bench_moe_layer.py      # every GPU of the node
+    torchrun --standalone --nproc-per-node=2 benchmarks/bench_moe_layer.py --device cpu   # gloo, tiny: tests the script
 
 One MoE layer (benchmarks/moe_blocks.py: float32 softmax top-k router, SwiGLU
 experts with stacked weights, EP over all ranks) runs as
