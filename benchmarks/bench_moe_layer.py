@@ -305,6 +305,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return reset
 
     for name, backend, block, capacity in blocks:
+        before(block)()
         if peak:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
