@@ -457,7 +457,9 @@ __global__ void block_scan_kernel(int32_t* __restrict__ block_counts, int64_t nu
 }
 
 // Turns zone sizes into zone starts (in place) and writes the clipped counts.
-__global__ void zone_scan_kernel(int64_t* __restrict__ zone_start, int num_experts, int64_t capacity,
+// The launch bound keeps registers within what a 1024-thread block may use
+// (65536 per block): without it the launch fails on sm_90.
+__global__ void __launch_bounds__(kScanThreads) zone_scan_kernel(int64_t* __restrict__ zone_start, int num_experts, int64_t capacity,
                                  int32_t* __restrict__ expert_counts, int64_t* __restrict__ required_rows) {
   using Scan = cub::BlockScan<long long, kScanThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
@@ -489,7 +491,7 @@ __device__ int64_t load_count(const IdxT* data, int64_t i) {
 // Exclusive prefix sums of the chunk sizes in input order (in_offset) and in
 // sorted order (out_offset), both [num_chunks + 1], by one block in tiles.
 template <typename SizeT, typename IdxT>
-__global__ void chunk_offsets_kernel(const SizeT* __restrict__ split_sizes, const IdxT* __restrict__ sorted_index,
+__global__ void __launch_bounds__(kScanThreads) chunk_offsets_kernel(const SizeT* __restrict__ split_sizes, const IdxT* __restrict__ sorted_index,
                                      int64_t num_chunks, int64_t* __restrict__ in_offset,
                                      int64_t* __restrict__ out_offset) {
   using Scan = cub::BlockScan<long long, kScanThreads>;
