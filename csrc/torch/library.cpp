@@ -35,6 +35,33 @@ TORCH_LIBRARY(te_ep, m) {
 
   // ---- permutation (local, no communication) --------------------------------
   // BEGIN permutation schemas
+  // Expert-major permutation of tokens [T, H] by routing (int [T, K] expert
+  // ids with -1 = dropped, or a bool [T, E] routing map) into `capacity` rows.
+  // Outputs: the rows, the probabilities moved alongside ([capacity], or [0]
+  // without probs), row_id_map [T, C] (row of each choice, -1 = none),
+  // src_slot [capacity] (choice t * C + c owning each row, -1 = zero row),
+  // expert_counts [E] (zone sizes with padding, clipped to capacity) and
+  // required_rows [1] int64 (rows the routing needs; > capacity = overflow).
+  m.def(
+      "permute(Tensor tokens, Tensor routing, Tensor? probs, int num_experts, SymInt capacity, int alignment) "
+      "-> (Tensor output, Tensor permuted_probs, Tensor row_id_map, Tensor src_slot, Tensor expert_counts, "
+      "Tensor required_rows)");
+  m.def(
+      "permute_bwd(Tensor grad_output, Tensor? grad_permuted_probs, Tensor row_id_map) "
+      "-> (Tensor grad_tokens, Tensor grad_probs)");
+  // Token order again: out[t] = sum_c merging_probs[t, c] * input[row_id_map[t, c]].
+  m.def("unpermute(Tensor input, Tensor row_id_map, Tensor src_slot, Tensor? merging_probs) -> Tensor");
+  // grad_merging_probs is computed only when `input` (the forward input) is given.
+  m.def(
+      "unpermute_bwd(Tensor grad_output, Tensor row_id_map, Tensor src_slot, Tensor? merging_probs, "
+      "Tensor? input) -> (Tensor grad_input, Tensor grad_merging_probs)");
+  // Reorders chunks of rows; row_map [2, N] holds the forward and inverse row maps.
+  m.def(
+      "sort_chunks_by_index(Tensor input, Tensor split_sizes, Tensor sorted_index, Tensor? probs) "
+      "-> (Tensor output, Tensor permuted_probs, Tensor row_map)");
+  m.def(
+      "sort_chunks_by_map(Tensor input, Tensor row_map, Tensor? probs, bool inverse) "
+      "-> (Tensor output, Tensor permuted_probs)");
   // END permutation schemas
 
   // ---- nccl_ep backend plumbing (private; te_ep_torch._nccl_ep calls them) --
