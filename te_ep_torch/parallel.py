@@ -239,7 +239,8 @@ def apply_fsdp(
     dense_mesh = _flat_dp_mesh(mesh, dp_dim, ep_dim)
     world = dense_mesh.size()
     # Gloo has no pre-multiplied sum; FSDP then divides around a plain sum instead.
-    force_sum = dist.get_backend(dense_mesh.get_group()) != "nccl"
+    # (Not on one rank: FSDP skips the collective and divides by itself there.)
+    force_sum = dp_mesh.size() > 1 and dist.get_backend(dp_mesh.get_group()) != "nccl"
     for name, moe in moe_layers(model):
         group = moe.ep_group
         if group is None or group.group_name != ep_mesh.get_group().group_name:

@@ -250,7 +250,7 @@ def test_local_moe_matches_dense_reference(config):
     grads, ref_grads = _grads(moe), _grads(ref)
     assert grads.keys() == ref_grads.keys() and "router.weight" in grads
     for name in grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], **F32, msg=name)
+        torch.testing.assert_close(grads[name], ref_grads[name], **F32, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_local_moe_returns_aux_loss():
@@ -275,7 +275,7 @@ def test_local_moe_compiles_fullgraph():
     torch.testing.assert_close(x.grad, x_ref.grad, **F32)
     ref_grads = _grads(ref)
     for name, grad in _grads(moe).items():
-        torch.testing.assert_close(grad, ref_grads[name], **F32, msg=name)
+        torch.testing.assert_close(grad, ref_grads[name], **F32, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_enable_expert_parallel_checks_the_shard():
@@ -370,6 +370,8 @@ def _worker_main(name: str) -> None:
         sys.stdout.flush()
         os._exit(1)
     dist.destroy_process_group()
+    print(f"rank {dist.get_rank() if dist.is_initialized() else os.environ['RANK']}: ok", flush=True)
+    os._exit(0)
 
 
 def _full(t):
@@ -430,7 +432,7 @@ def _worker_ep_vs_dense(config: str) -> None:
         else:
             grad = p.grad.clone()
             dist.all_reduce(grad)
-            torch.testing.assert_close(grad, ref_grad, **F32, msg=name)
+            torch.testing.assert_close(grad, ref_grad, **F32, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize(
@@ -497,7 +499,7 @@ def _worker_fsdp_grads(dp: int, ep: int) -> None:
     names = [n for n, _ in model.named_parameters()]
     assert sorted(names) == sorted(ref_params), (names, list(ref_params))
     for name, p in model.named_parameters():
-        torch.testing.assert_close(_full(p.grad), ref_params[name].grad, **F32, msg=name)
+        torch.testing.assert_close(_full(p.grad), ref_params[name].grad, **F32, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("dp,ep", [(2, 2), (1, 4)])
@@ -554,7 +556,7 @@ def _worker_dcp(layouts) -> None:
         got = _full_state(b, opt_b)
         assert got.keys() == expected.keys(), sorted(set(got) ^ set(expected))
         for k in expected:
-            torch.testing.assert_close(got[k], expected[k], atol=0, rtol=0, msg=k)
+            torch.testing.assert_close(got[k], expected[k], atol=0, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
         # Same weights, same tokens: same outputs under both layouts.
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(dist.get_rank()))
         torch.testing.assert_close(b(x), a(x), **F32)
@@ -563,7 +565,7 @@ def _worker_dcp(layouts) -> None:
         _train_step(b, opt_b, seed=1000)
         a_state = _full_state(a, opt_a)
         for k, v in _full_state(b, opt_b).items():
-            torch.testing.assert_close(v, a_state[k], atol=1e-5, rtol=1e-4, msg=k)
+            torch.testing.assert_close(v, a_state[k], atol=1e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def test_dcp_round_trip_across_ep_sizes():
@@ -592,6 +594,7 @@ def _worker_compile() -> None:
     for _ in range(2):
         moe = make_moe(seed=5, alignment=4, shared_expert_ffn_hidden=8, aux_loss_coef=0.01)
         parallelize_module(moe, mesh, ExpertParallel(max_tokens_per_rank=12, backend="reference"))
+        moe.router.process_group = dist.group.WORLD  # global aux loss: a functional all-reduce in the graph
         models.append(moe)
     eager, to_compile = models
     compiled = torch.compile(to_compile, fullgraph=True)
@@ -602,6 +605,7 @@ def _worker_compile() -> None:
             y, aux = model(x, return_aux_loss=True)
             (y.square().sum() + aux).backward()
             results.append((y.detach(), x.grad))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, dict(torch._dynamo.utils.counters["stats"])
     for (y_e, gx_e), (y_c, gx_c) in zip(results[:2], results[2:]):
         torch.testing.assert_close(y_c, y_e, **F32)
         torch.testing.assert_close(gx_c, gx_e, **F32)
@@ -609,7 +613,7 @@ def _worker_compile() -> None:
         g_e, g_c = p_e.grad, p_c.grad
         if isinstance(g_e, DTensor):
             g_e, g_c = g_e.to_local(), g_c.to_local()
-        torch.testing.assert_close(g_c, g_e, **F32, msg=name)
+        torch.testing.assert_close(g_c, g_e, **F32, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_compile_fullgraph_with_expert_parallel():
