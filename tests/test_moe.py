@@ -4,10 +4,14 @@ Single-process tests check the router, the expert implementations and the EP-siz
 layer against plain-PyTorch references. Multi-process tests launch their own gloo
 workers (reference backend; see ``_launch``) and compare with a single-process dense
 reference computed on every rank: forward, every gradient, FSDP2 x EP gradient
-scaling, DCP across EP sizes, and torch.compile.
+scaling, DCP across EP sizes, and torch.compile. The same worker bodies run on GPUs
+(NCCL, backend ``auto`` = nccl_ep where usable) in the tests marked ``gpu``, which skip
+where fewer GPUs are present.
 
-Tolerances (float32): outputs and gradients ``atol=1e-5, rtol=1e-4`` (only the
-summation order differs); bfloat16 grouped GEMM vs float32 loop ``atol=rtol=2e-2``.
+Tolerances: float32 outputs and gradients ``atol=1e-5, rtol=1e-4`` on CPU and
+``atol=1e-4, rtol=1e-3`` on GPUs (only the summation order differs); bfloat16:
+``max |diff| <= 3e-2 * max |reference|`` per tensor; bfloat16 grouped GEMM vs float32
+loop ``atol=rtol=2e-2``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,29 @@ from te_ep_torch.moe import GroupedExperts, MoE, TopKRouter
 
 REPO = Path(__file__).resolve().parents[1]
 F32 = dict(atol=1e-5, rtol=1e-4)
+GPU_F32 = dict(atol=1e-4, rtol=1e-3)
+BF16_REL = 3e-2
+
+
+def _device() -> torch.device:
+    """The workers' device: set by ``_launch`` (cuda ranks use the GPU of their rank)."""
+    if os.environ.get("TE_EP_TEST_DEVICE", "cpu") == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _backend() -> str:
+    return "reference" if _device().type == "cpu" else "auto"
+
+
+def assert_close(got, ref, name="", dtype=torch.float32):
+    """float32: ``assert_close`` with the device's tolerance; bfloat16: relative to the max."""
+    if dtype == torch.bfloat16:
+        err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-12)).item()
+        assert err <= BF16_REL, f"{name}: max |diff| / max |ref| = {err:.3e} > {BF16_REL}"
+        return
+    tol = F32 if got.device.type == "cpu" else GPU_F32
+    torch.testing.assert_close(got, ref, **tol, msg=lambda m: f"{name}: {m}")
 
 
 # ---- plain-PyTorch references ----------------------------------------------------------
@@ -293,8 +320,10 @@ def test_enable_expert_parallel_checks_the_shard():
 # ---- multi-process harness --------------------------------------------------------------
 
 
-def _launch(worker: str, nprocs: int, timeout: float = 150.0, **kwargs) -> None:
-    """Runs ``worker(**kwargs)`` of this file on ``nprocs`` gloo ranks; fails on any rank's error.
+def _launch(worker: str, nprocs: int, timeout: float = 150.0, device: str = "cpu", **kwargs) -> None:
+    """Runs ``worker(**kwargs)`` of this file on ``nprocs`` ranks; fails on any rank's error.
+
+    ``device="cpu"``: gloo ranks; ``"cuda"``: NCCL ranks, one GPU each.
 
     Each rank is a fresh interpreter (``python tests/test_moe.py <worker>``) in its own
     session; ranks meet through a FileStore in a temporary directory. A rank that
@@ -310,6 +339,10 @@ def _launch(worker: str, nprocs: int, timeout: float = 150.0, **kwargs) -> None:
             TE_EP_TEST_INIT=f"file://{tmp}/store",
             TE_EP_TEST_TMP=tmp,
             TE_EP_TEST_ARGS=json.dumps(kwargs),
+            TE_EP_TEST_DEVICE=device,
+            NCCL_NVLS_ENABLE="0",
+            TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+            NVSHMEM_DISABLE_NVLS="1",
         )
         logs, procs = [], []
         for rank in range(nprocs):
@@ -351,8 +384,11 @@ def _launch(worker: str, nprocs: int, timeout: float = 150.0, **kwargs) -> None:
 
 def _worker_main(name: str) -> None:
     torch.set_num_threads(1)
+    cuda = os.environ.get("TE_EP_TEST_DEVICE") == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(
-        "gloo",
+        "nccl" if cuda else "gloo",
         init_method=os.environ["TE_EP_TEST_INIT"],
         rank=int(os.environ["RANK"]),
         world_size=int(os.environ["WORLD_SIZE"]),
@@ -383,7 +419,7 @@ def _full(t):
 # ---- expert parallelism vs dense reference ----------------------------------------------
 
 
-def _worker_ep_vs_dense(config: str) -> None:
+def _worker_ep_vs_dense(config: str, dtype: str = "float32") -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import parallelize_module
@@ -391,19 +427,20 @@ def _worker_ep_vs_dense(config: str) -> None:
     from te_ep_torch.parallel import ExpertParallel
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    moe = make_moe(seed=1, **LAYER_CONFIGS[config])
+    device, dt = _device(), getattr(torch, dtype)
+    moe = make_moe(seed=1, dtype=dt, **LAYER_CONFIGS[config]).to(device)
     if moe.router.expert_bias is not None:
         moe.router.expert_bias.copy_(torch.linspace(-0.2, 0.2, 8))
     ref = copy.deepcopy(moe)
     # Uneven token counts per rank; the same global batch everywhere.
     counts = [6 + 3 * r for r in range(world)]
     g = torch.Generator().manual_seed(7)
-    x_all = torch.randn(sum(counts), 16, generator=g)
-    grad_all = torch.randn(sum(counts), 16, generator=g)
+    x_all = torch.randn(sum(counts), 16, generator=g).to(device, dt)
+    grad_all = torch.randn(sum(counts), 16, generator=g).to(device, dt)
     lo, hi = sum(counts[:rank]), sum(counts[: rank + 1])
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-    parallelize_module(moe, mesh, ExpertParallel(max_tokens_per_rank=max(counts), backend="reference"))
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
+    parallelize_module(moe, mesh, ExpertParallel(max_tokens_per_rank=max(counts), backend=_backend()))
 
     e_local = 8 // world
     for name in ("w_gate", "w_up", "w_down"):
@@ -412,7 +449,9 @@ def _worker_ep_vs_dense(config: str) -> None:
         assert p.shape == getattr(ref.experts, name).shape and p.to_local().shape[0] == e_local
         torch.testing.assert_close(p.to_local(), getattr(ref.experts, name)[rank * e_local : (rank + 1) * e_local])
     assert not isinstance(moe.router.weight, DTensor)
-    assert moe.ep_size == world and moe.ep_group.backend == "reference"
+    assert moe.ep_size == world
+    assert moe.ep_group.backend == "reference" if device.type == "cpu" else moe.ep_group.backend in ("reference", "nccl_ep")
+    print(f"rank {rank}: backend {moe.ep_group.backend}, experts {moe.experts.resolved_impl(device, dt)}", flush=True)
 
     x = x_all[lo:hi].clone().requires_grad_(True)
     y = moe(x)
@@ -422,17 +461,17 @@ def _worker_ep_vs_dense(config: str) -> None:
     y_ref = reference_moe(ref, x_ref)
     y_ref.backward(grad_all)
 
-    torch.testing.assert_close(y, y_ref[lo:hi].detach(), **F32)
-    torch.testing.assert_close(x.grad, x_ref.grad[lo:hi], **F32)
+    assert_close(y, y_ref[lo:hi].detach(), "output", dt)
+    assert_close(x.grad, x_ref.grad[lo:hi], "input grad", dt)
     for name, p in moe.named_parameters():
         ref_grad = dict(ref.named_parameters())[name].grad
         if isinstance(p, DTensor):
             # Expert shard: its local backward already sums the losses of all ranks' tokens.
-            torch.testing.assert_close(p.grad.to_local(), ref_grad[rank * e_local : (rank + 1) * e_local], **F32)
+            assert_close(p.grad.to_local(), ref_grad[rank * e_local : (rank + 1) * e_local], name, dt)
         else:
             grad = p.grad.clone()
             dist.all_reduce(grad)
-            torch.testing.assert_close(grad, ref_grad, **F32, msg=lambda m, name=name: f"{name}: {m}")
+            assert_close(grad, ref_grad, name, dt)
 
 
 @pytest.mark.parametrize(
@@ -440,6 +479,19 @@ def _worker_ep_vs_dense(config: str) -> None:
 )
 def test_expert_parallel_matches_dense(nprocs, config):
     _launch("_worker_ep_vs_dense", nprocs, config=config)
+
+
+def _need_gpus(n: int) -> None:
+    if torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} CUDA GPUs, found {torch.cuda.device_count()}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nprocs", [2, 4])
+@pytest.mark.parametrize("config,dtype", [("softmax-aligned-shared", "float32"), ("sigmoid-bias-scaled", "bfloat16")])
+def test_expert_parallel_matches_dense_gpu(nprocs, config, dtype):
+    _need_gpus(nprocs)
+    _launch("_worker_ep_vs_dense", nprocs, device="cuda", config=config, dtype=dtype)
 
 
 # ---- FSDP2 x EP gradients -------------------------------------------------------------------
@@ -470,16 +522,17 @@ def _worker_fsdp_grads(dp: int, ep: int) -> None:
     from te_ep_torch.parallel import init_moe_mesh, parallelize_moe_model
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    device = _device()
     moe_kw = dict(aux_loss_coef=0.05, shared_expert_ffn_hidden=8)
-    model = TinyModel(3, **moe_kw)
+    model = TinyModel(3, **moe_kw).to(device)
     ref = copy.deepcopy(model)
     tokens = 10
     g = torch.Generator().manual_seed(11)
-    x_all = torch.randn(world * tokens, 16, generator=g)
-    t_all = torch.randn(world * tokens, 4, generator=g)
+    x_all = torch.randn(world * tokens, 16, generator=g).to(device)
+    t_all = torch.randn(world * tokens, 4, generator=g).to(device)
 
-    mesh = init_moe_mesh("cpu", dp=dp, ep=ep)
-    parallelize_moe_model(model, mesh, max_tokens_per_rank=tokens, backend="reference", blocks=[model.moe])
+    mesh = init_moe_mesh(device.type, dp=dp, ep=ep)
+    parallelize_moe_model(model, mesh, max_tokens_per_rank=tokens, backend=_backend(), blocks=[model.moe])
     w = model.moe.experts.w_gate
     assert isinstance(w, DTensor) and w.device_mesh.mesh_dim_names == ("dp", "ep"), w
     assert [type(p).__name__ + str(getattr(p, "dim", "")) for p in w.placements] == ["Shard1", "Shard0"]
@@ -491,20 +544,27 @@ def _worker_fsdp_grads(dp: int, ep: int) -> None:
     ref_loss, ref_out = _loss(ref, x_all, t_all)
     ref_loss.backward()
 
-    torch.testing.assert_close(out, ref_out[sl].detach(), **F32)
+    assert_close(out, ref_out[sl].detach(), "output")
     mean_loss = loss.detach().clone()
     dist.all_reduce(mean_loss)
-    torch.testing.assert_close(mean_loss / world, ref_loss.detach(), **F32)
+    assert_close(mean_loss / world, ref_loss.detach(), "loss")
     ref_params = dict(ref.named_parameters())
     names = [n for n, _ in model.named_parameters()]
     assert sorted(names) == sorted(ref_params), (names, list(ref_params))
     for name, p in model.named_parameters():
-        torch.testing.assert_close(_full(p.grad), ref_params[name].grad, **F32, msg=lambda m, name=name: f"{name}: {m}")
+        assert_close(_full(p.grad), ref_params[name].grad, name)
 
 
 @pytest.mark.parametrize("dp,ep", [(2, 2), (1, 4)])
 def test_fsdp_expert_parallel_gradients_equal_unsharded(dp, ep):
     _launch("_worker_fsdp_grads", dp * ep, dp=dp, ep=ep)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dp,ep", [(2, 2), (1, 4), (1, 2)])
+def test_fsdp_expert_parallel_gradients_equal_unsharded_gpu(dp, ep):
+    _need_gpus(dp * ep)
+    _launch("_worker_fsdp_grads", dp * ep, device="cuda", dp=dp, ep=ep)
 
 
 # ---- distributed checkpoint -------------------------------------------------------------------
@@ -581,7 +641,7 @@ def test_dcp_round_trip_ep2_to_ep1():
 # ---- compile with expert parallelism ----------------------------------------------------------
 
 
-def _worker_compile() -> None:
+def _worker_compile(dtype: str = "float32") -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
@@ -589,11 +649,13 @@ def _worker_compile() -> None:
     from te_ep_torch.parallel import ExpertParallel
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    device, dt = _device(), getattr(torch, dtype)
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
     models = []
     for _ in range(2):
-        moe = make_moe(seed=5, alignment=4, shared_expert_ffn_hidden=8, aux_loss_coef=0.01)
-        parallelize_module(moe, mesh, ExpertParallel(max_tokens_per_rank=12, backend="reference"))
+        # alignment None: 16 rows where the experts run torch._grouped_mm (CUDA bf16), else 1.
+        moe = make_moe(seed=5, shared_expert_ffn_hidden=8, aux_loss_coef=0.01, dtype=dt).to(device)
+        parallelize_module(moe, mesh, ExpertParallel(max_tokens_per_rank=12, backend=_backend()))
         moe.router.process_group = dist.group.WORLD  # global aux loss: a functional all-reduce in the graph
         models.append(moe)
     eager, to_compile = models
@@ -601,23 +663,31 @@ def _worker_compile() -> None:
     results = []
     for model in (eager, compiled):
         for step in range(2):  # the second step reuses the handles and the compiled graph
-            x = torch.randn(12, 16, generator=torch.Generator().manual_seed(rank * 10 + step), requires_grad=True)
+            x = torch.randn(12, 16, generator=torch.Generator().manual_seed(rank * 10 + step)).to(device, dt)
+            x.requires_grad_(True)
             y, aux = model(x, return_aux_loss=True)
             (y.square().sum() + aux).backward()
             results.append((y.detach(), x.grad))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, dict(torch._dynamo.utils.counters["stats"])
     for (y_e, gx_e), (y_c, gx_c) in zip(results[:2], results[2:]):
-        torch.testing.assert_close(y_c, y_e, **F32)
-        torch.testing.assert_close(gx_c, gx_e, **F32)
+        assert_close(y_c, y_e, "output", dt)
+        assert_close(gx_c, gx_e, "input grad", dt)
     for (name, p_e), (_, p_c) in zip(eager.named_parameters(), to_compile.named_parameters()):
         g_e, g_c = p_e.grad, p_c.grad
         if isinstance(g_e, DTensor):
             g_e, g_c = g_e.to_local(), g_c.to_local()
-        torch.testing.assert_close(g_c, g_e, **F32, msg=lambda m, name=name: f"{name}: {m}")
+        assert_close(g_c, g_e, name, g_e.dtype)
 
 
 def test_compile_fullgraph_with_expert_parallel():
     _launch("_worker_compile", 2, timeout=240)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compile_fullgraph_with_expert_parallel_gpu(dtype):
+    _need_gpus(2)
+    _launch("_worker_compile", 2, timeout=400, device="cuda", dtype=dtype)
 
 
 if __name__ == "__main__":
