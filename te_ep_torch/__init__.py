@@ -13,6 +13,15 @@ from ._version import __version__
 from . import ops
 from .autograd import DispatchOutput, ep_combine, ep_dispatch
 from .group import BACKENDS, EpGroup, EpHandle, HandleConfig
+from . import permutation
+from .permutation import (
+    PermuteMap,
+    permute,
+    permute_exact,
+    sort_chunks_by_index,
+    sort_chunks_by_map,
+    unpermute,
+)
 
 __all__ = [
     "__version__",
@@ -24,4 +33,11 @@ __all__ = [
     "DispatchOutput",
     "ep_dispatch",
     "ep_combine",
+    "permutation",
+    "PermuteMap",
+    "permute",
+    "permute_exact",
+    "unpermute",
+    "sort_chunks_by_index",
+    "sort_chunks_by_map",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 import weakref
-from typing import Dict, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist

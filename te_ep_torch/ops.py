@@ -11,6 +11,7 @@ from typing import List, Tuple
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from ._loader import load_library
 
@@ -95,8 +96,26 @@ def combine_bwd(grad_out: Tensor, handle_mem: Tensor, group_name: str, handle_id
     return torch.ops.te_ep.combine_bwd(grad_out, handle_mem, group_name, handle_id, capacity)
 
 
+def _misrouted(handle_mem: Tensor) -> bool:
+    """True when real tensors reached a fake kernel.
+
+    That happens when an argument is on the meta device: the dispatcher then
+    picks the Meta kernel although the handle is real. Running the real kernel
+    instead lets it reject the device mismatch on every rank.
+    """
+    return not is_fake(handle_mem) and handle_mem.device.type != "meta"
+
+
+def _real_kernel(op, handle_mem: Tensor, *args):
+    key = torch._C.DispatchKey.CUDA if handle_mem.is_cuda else torch._C.DispatchKey.CPU
+    return op.default.redispatch(torch._C.DispatchKeySet(key), *args)
+
+
 @torch.library.register_fake("te_ep::prepare")
 def _prepare_fake(topk_idx, handle_mem, group_name, handle_id, num_local_experts):
+    if _misrouted(handle_mem):
+        return _real_kernel(torch.ops.te_ep.prepare, handle_mem, topk_idx, handle_mem, group_name, handle_id,
+                            num_local_experts)
     torch._check(topk_idx.dim() == 2, lambda: f"te_ep.prepare: topk_idx must be 2-D, got {topk_idx.dim()}-D")
     counts = handle_mem.new_empty((num_local_experts,), dtype=torch.int32)
     total = handle_mem.new_empty((1,), dtype=torch.int32)
@@ -105,6 +124,9 @@ def _prepare_fake(topk_idx, handle_mem, group_name, handle_id, num_local_experts
 
 @torch.library.register_fake("te_ep::dispatch")
 def _dispatch_fake(tokens, topk_weights, handle_mem, group_name, handle_id, capacity):
+    if _misrouted(handle_mem):
+        return _real_kernel(torch.ops.te_ep.dispatch, handle_mem, tokens, topk_weights, handle_mem, group_name,
+                            handle_id, capacity)
     torch._check(tokens.dim() == 2, lambda: f"te_ep.dispatch: tokens must be 2-D, got {tokens.dim()}-D")
     torch._check(
         topk_weights.dtype == torch.float32,
@@ -117,12 +139,18 @@ def _dispatch_fake(tokens, topk_weights, handle_mem, group_name, handle_id, capa
 
 @torch.library.register_fake("te_ep::combine")
 def _combine_fake(expert_out, handle_mem, group_name, handle_id, num_tokens):
+    if _misrouted(handle_mem):
+        return _real_kernel(torch.ops.te_ep.combine, handle_mem, expert_out, handle_mem, group_name, handle_id,
+                            num_tokens)
     torch._check(expert_out.dim() == 2, lambda: f"te_ep.combine: expert_out must be 2-D, got {expert_out.dim()}-D")
     return expert_out.new_empty((num_tokens, expert_out.shape[1]))
 
 
 @torch.library.register_fake("te_ep::dispatch_bwd")
 def _dispatch_bwd_fake(grad_recv_tokens, grad_recv_weights, handle_mem, group_name, handle_id, num_tokens, top_k):
+    if _misrouted(handle_mem):
+        return _real_kernel(torch.ops.te_ep.dispatch_bwd, handle_mem, grad_recv_tokens, grad_recv_weights,
+                            handle_mem, group_name, handle_id, num_tokens, top_k)
     grad_tokens = grad_recv_tokens.new_empty((num_tokens, grad_recv_tokens.shape[1]))
     grad_weights = grad_recv_weights.new_empty((num_tokens, top_k))
     return grad_tokens, grad_weights
@@ -130,4 +158,7 @@ def _dispatch_bwd_fake(grad_recv_tokens, grad_recv_weights, handle_mem, group_na
 
 @torch.library.register_fake("te_ep::combine_bwd")
 def _combine_bwd_fake(grad_out, handle_mem, group_name, handle_id, capacity):
+    if _misrouted(handle_mem):
+        return _real_kernel(torch.ops.te_ep.combine_bwd, handle_mem, grad_out, handle_mem, group_name, handle_id,
+                            capacity)
     return grad_out.new_empty((capacity, grad_out.shape[1]))

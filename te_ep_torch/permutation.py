@@ -12,11 +12,12 @@ rules; docs/permutation.md is the contract.
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from ._loader import load_library
 
 __all__ = [
     "PermuteMap",
@@ -29,23 +30,7 @@ __all__ = [
 ]
 
 
-def _load_ops() -> None:
-    try:
-        torch.ops.te_ep.permute
-        return
-    except (AttributeError, RuntimeError):
-        pass
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_C.so")
-    try:
-        torch.ops.load_library(path)
-    except OSError as exc:
-        raise ImportError(
-            f"te_ep_torch.permutation: cannot load the compiled op library {path} ({exc}). Build it with "
-            "`python setup.py build_ext --inplace` (or `pip install --no-build-isolation .`)."
-        ) from exc
-
-
-_load_ops()
+load_library()
 
 _ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -137,7 +122,8 @@ def permute(
         alignment: power of two; each expert's zone is padded with zero rows to a
             multiple of it.
         check: sync with the host and raise if the routing overflowed ``capacity``
-            (eager only). On CPU the op always raises on overflow; on CUDA, without
+            (eager only; with DTensors each rank checks its own shard). On CPU the op
+            always raises on overflow; on CUDA, without
             ``check``, rows past ``capacity`` are dropped (their ``row_id_map`` entry is
             -1, so ``unpermute`` treats them as dropped choices) and
             ``perm_map.required_rows > capacity`` tells the caller.
@@ -170,8 +156,10 @@ def permute(
 def _raise_on_overflow(perm_map: PermuteMap, capacity: int, alignment: int) -> None:
     required = perm_map.required_rows
     if _is_dtensor(required):
-        # Every rank reads every shard's count, so all ranks raise together.
-        required = required.full_tensor()
+        # Each rank checks its own shard, without communication: on CPU the op has
+        # already raised on the ranks that overflowed, so a collective here would
+        # leave the others waiting.
+        required = required.to_local()
     needed = int(required.max())
     if needed > capacity:
         raise RuntimeError(
@@ -194,6 +182,8 @@ def permute_exact(
     copied back to size the output, so this is eager-only (a graph break under
     ``torch.compile``) and not CUDA-graph capturable. Plain tensors only.
     """
+    if any(_is_dtensor(t) for t in (tokens, routing, probs)):
+        raise TypeError("te_ep.permute_exact: DTensor inputs are not supported; use permute with a capacity")
     num_experts = _resolve_num_experts(routing, num_experts)
     if routing.dtype == torch.bool:
         counts = routing.sum(dim=0, dtype=torch.int64)
@@ -314,19 +304,23 @@ def _permute_fake(tokens, routing, probs, num_experts, capacity, alignment):
 
 
 @torch.library.register_fake("te_ep::permute_bwd")
-def _permute_bwd_fake(grad_output, grad_permuted_probs, row_id_map):
+def _permute_bwd_fake(row_id_map, grad_output, grad_permuted_probs):
     op = "te_ep.permute_bwd"
-    _check_rows(op, "grad_output", grad_output)
     _check_int32_map(op, "row_id_map", row_id_map, 2)
-    if grad_permuted_probs is not None:
-        _check_probs(op, "grad_permuted_probs", grad_permuted_probs, (grad_output.shape[0],))
+    _check(grad_output is not None or grad_permuted_probs is not None, f"{op}: needs grad_output or grad_permuted_probs")
     num_tokens, num_choices = row_id_map.shape
-    grad_probs = (
-        grad_output.new_empty((num_tokens, num_choices), dtype=torch.float32)
-        if grad_permuted_probs is not None
-        else _probs_like(grad_output, 0)
-    )
-    return grad_output.new_empty((num_tokens, grad_output.shape[1])), grad_probs
+    if grad_output is not None:
+        _check_rows(op, "grad_output", grad_output)
+        grad_tokens = grad_output.new_empty((num_tokens, grad_output.shape[1]))
+    else:
+        grad_tokens = _probs_like(row_id_map, 0)
+    if grad_permuted_probs is not None:
+        capacity = grad_output.shape[0] if grad_output is not None else grad_permuted_probs.shape[0]
+        _check_probs(op, "grad_permuted_probs", grad_permuted_probs, (capacity,))
+        grad_probs = row_id_map.new_empty((num_tokens, num_choices), dtype=torch.float32)
+    else:
+        grad_probs = _probs_like(row_id_map, 0)
+    return grad_tokens, grad_probs
 
 
 @torch.library.register_fake("te_ep::unpermute")
@@ -393,20 +387,34 @@ def _sort_chunks_by_map_fake(input, row_map, probs, inverse):
 
 # ---- autograd ----------------------------------------------------------------------
 # Backward formulas call only te_ep ops (plus .contiguous() on incoming gradients,
-# which autograd may hand over expanded or strided). First-order only.
+# which autograd may hand over expanded or strided). Gradients are not
+# materialized: an unused output's gradient arrives as None and is skipped rather
+# than replaced by zeros (which autograd would create as plain tensors even for
+# DTensor outputs). First-order only.
 
 
 def _permute_setup(ctx, inputs, output):
-    probs = inputs[2]
-    ctx.has_probs = probs is not None
+    ctx.set_materialize_grads(False)
+    ctx.has_probs = inputs[2] is not None
     ctx.save_for_backward(output[2])
 
 
 def _permute_backward(ctx, grad_output, grad_permuted_probs, *_):
     (row_id_map,) = ctx.saved_tensors
-    grad_pp = grad_permuted_probs.contiguous() if ctx.has_probs else None
-    grad_tokens, grad_probs = torch.ops.te_ep.permute_bwd(grad_output.contiguous(), grad_pp, row_id_map)
-    return grad_tokens, None, (grad_probs if ctx.has_probs else None), None, None, None
+    grad_pp = grad_permuted_probs.contiguous() if ctx.has_probs and grad_permuted_probs is not None else None
+    if grad_output is None and grad_pp is None:
+        return None, None, None, None, None, None
+    grad_tokens, grad_probs = torch.ops.te_ep.permute_bwd(
+        row_id_map, None if grad_output is None else grad_output.contiguous(), grad_pp
+    )
+    return (
+        None if grad_output is None else grad_tokens,
+        None,
+        None if grad_pp is None else grad_probs,
+        None,
+        None,
+        None,
+    )
 
 
 torch.library.register_autograd("te_ep::permute", _permute_backward, setup_context=_permute_setup)
@@ -429,15 +437,29 @@ def _unpermute_backward(ctx, grad_output):
 torch.library.register_autograd("te_ep::unpermute", _unpermute_backward, setup_context=_unpermute_setup)
 
 
+def _sort_chunks_grads(row_map, grad_output, grad_permuted_probs, inverse):
+    """Gradients of a chunk reordering: the reordering in the other direction."""
+    if grad_output is not None:
+        grad_pp = None if grad_permuted_probs is None else grad_permuted_probs.contiguous()
+        return torch.ops.te_ep.sort_chunks_by_map(grad_output.contiguous(), row_map, grad_pp, inverse)
+    if grad_permuted_probs is None:
+        return None, None
+    # Only the probabilities were used: move them as one-column float32 rows.
+    rows, _ = torch.ops.te_ep.sort_chunks_by_map(grad_permuted_probs.unsqueeze(1).contiguous(), row_map, None, inverse)
+    return None, rows.squeeze(1)
+
+
 def _sort_chunks_by_index_setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)
     ctx.has_probs = inputs[3] is not None
     ctx.save_for_backward(output[2])
 
 
 def _sort_chunks_by_index_backward(ctx, grad_output, grad_permuted_probs, _):
     (row_map,) = ctx.saved_tensors
-    grad_pp = grad_permuted_probs.contiguous() if ctx.has_probs else None
-    grad_input, grad_probs = torch.ops.te_ep.sort_chunks_by_map(grad_output.contiguous(), row_map, grad_pp, True)
+    grad_input, grad_probs = _sort_chunks_grads(
+        row_map, grad_output, grad_permuted_probs if ctx.has_probs else None, inverse=True
+    )
     return grad_input, None, None, (grad_probs if ctx.has_probs else None)
 
 
@@ -447,6 +469,7 @@ torch.library.register_autograd(
 
 
 def _sort_chunks_by_map_setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)
     ctx.has_probs = inputs[2] is not None
     ctx.inverse = inputs[3]
     ctx.save_for_backward(inputs[1])
@@ -454,9 +477,8 @@ def _sort_chunks_by_map_setup(ctx, inputs, output):
 
 def _sort_chunks_by_map_backward(ctx, grad_output, grad_permuted_probs):
     (row_map,) = ctx.saved_tensors
-    grad_pp = grad_permuted_probs.contiguous() if ctx.has_probs else None
-    grad_input, grad_probs = torch.ops.te_ep.sort_chunks_by_map(
-        grad_output.contiguous(), row_map, grad_pp, not ctx.inverse
+    grad_input, grad_probs = _sort_chunks_grads(
+        row_map, grad_output, grad_permuted_probs if ctx.has_probs else None, inverse=not ctx.inverse
     )
     return grad_input, None, (grad_probs if ctx.has_probs else None), None
 
@@ -486,11 +508,8 @@ def _register_dtensor_rules() -> None:
         return None if t is None else placement
 
     @register_sharding(ops.permute_bwd.default)
-    def _permute_bwd_rule(grad_output, grad_permuted_probs, row_id_map):
-        return [
-            ([p, p], [p, opt(grad_permuted_probs, p), p])
-            for p in (Replicate(), Shard(0))
-        ]
+    def _permute_bwd_rule(row_id_map, grad_output, grad_permuted_probs):
+        return [([p, p], [p, opt(grad_output, p), opt(grad_permuted_probs, p)]) for p in (Replicate(), Shard(0))]
 
     @register_sharding(ops.unpermute.default)
     def _unpermute_rule(input, row_id_map, src_slot, merging_probs):
@@ -508,8 +527,9 @@ def _register_dtensor_rules() -> None:
         r, s = Replicate(), Shard(0)
         return [
             ([r, r, r], [r, r, r, opt(probs, r)]),
-            # Each rank has its own chunk sizes (e.g. what it received) ...
-            ([s, s, Shard(1)], [s, s, r, opt(probs, s)]),
+            # Each rank has its own chunk sizes and order (e.g. what it received),
+            # stacked as Shard(0) DTensors of W * n entries ...
+            ([s, s, Shard(1)], [s, s, s, opt(probs, s)]),
             # ... or all ranks share them.
             ([s, s, Shard(1)], [s, r, r, opt(probs, s)]),
         ]
@@ -522,7 +542,11 @@ def _register_dtensor_rules() -> None:
             ([s, s], [s, Shard(1), opt(probs, s), None]),
         ]
 
-    DTensor._op_dispatcher._custom_op_handlers[ops.permute.default] = _permute_dtensor_handler
+    # A private DTensor hook; should a torch release drop it, DTensor permute fails
+    # with DTensor's own "no sharding strategy" error instead of breaking the import.
+    handlers = getattr(DTensor._op_dispatcher, "_custom_op_handlers", None)
+    if isinstance(handlers, dict):
+        handlers[ops.permute.default] = _permute_dtensor_handler
 
 
 def _permute_dtensor_handler(op_call, args, kwargs):

@@ -183,6 +183,39 @@ def test_roundtrip_counts_copies(device, kind):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_partial_gradients(device):
+    routing = make_routing("ids_int64", 20, 3, 5, device)
+    tokens = torch.randn(20, 8, device=device, requires_grad=True)
+    probs = torch.rand(20, 3, device=device, requires_grad=True)
+    out, pp, perm_map = permute(tokens, routing, probs, num_experts=5, alignment=2)
+    routed = (perm_map.row_id_map >= 0).float()
+
+    # Only the permuted probabilities are used: no gradient reaches the tokens.
+    (pp * 2.0).sum().backward(retain_graph=True)
+    assert tokens.grad is None
+    torch.testing.assert_close(probs.grad, routed * 2.0)
+
+    # Merging probabilities that do not require grad: only the buffer gets one.
+    x = out.detach().requires_grad_()
+    weights = torch.rand(20, 3, device=device)
+    unpermute(x, perm_map, weights).sum().backward()
+    want = torch.zeros_like(x)
+    rows = perm_map.row_id_map.reshape(-1)
+    want[rows[rows >= 0].long()] = weights.reshape(-1)[rows >= 0].unsqueeze(1).expand(-1, 8)
+    torch.testing.assert_close(x.grad, want)
+
+    # Chunk sort where only the probabilities are used.
+    sizes = torch.tensor([5, 0, 7, 8], device=device)
+    order = torch.tensor([3, 1, 0, 2], device=device)
+    p = torch.rand(20, device=device, requires_grad=True)
+    _, sorted_p, _ = sort_chunks_by_index(tokens.detach(), sizes, order, p)
+    (sorted_p * torch.arange(20.0, device=device)).sum().backward()
+    want_p, _ = sort_chunks_by_map(torch.arange(20.0, device=device).unsqueeze(1),
+                                   sort_chunks_by_index(tokens.detach(), sizes, order)[2], inverse=True)
+    torch.testing.assert_close(p.grad, want_p.squeeze(1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_layout_is_stable_and_expert_major(device):
     # Tokens fingerprinted by their index: each zone must list its tokens in order.
     num_tokens, num_experts = 20, 4
@@ -428,8 +461,9 @@ def _opcheck_cases(device):
         (torch.ops.te_ep.permute.default, (tokens, ids, probs, 4, 20, 2)),
         (torch.ops.te_ep.permute.default, (tokens, rmap, mprobs, 4, 40, 1)),
         (torch.ops.te_ep.permute.default, (tokens, ids.int(), None, 4, 18, 1)),
-        (torch.ops.te_ep.permute_bwd.default, (out.detach(), pp_grad, row_id_map)),
-        (torch.ops.te_ep.permute_bwd.default, (out.detach(), None, row_id_map)),
+        (torch.ops.te_ep.permute_bwd.default, (row_id_map, out.detach(), pp_grad)),
+        (torch.ops.te_ep.permute_bwd.default, (row_id_map, out.detach(), None)),
+        (torch.ops.te_ep.permute_bwd.default, (row_id_map, None, pp_grad)),
         (torch.ops.te_ep.unpermute.default, (x, row_id_map, src_slot, probs)),
         (torch.ops.te_ep.unpermute.default, (x, row_id_map, src_slot, None)),
         (torch.ops.te_ep.unpermute_bwd.default, (tokens.detach(), row_id_map, src_slot, probs.detach(), x.detach())),

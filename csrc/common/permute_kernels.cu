@@ -205,7 +205,8 @@ __global__ void zero_unmapped_rows_kernel(const int32_t* __restrict__ src_slot, 
 }
 
 // One block per token; every thread accumulates its packs over the token's
-// rows in choice order, four independent row loads in flight per step.
+// rows in choice order, eight independent row loads in flight per step (all
+// of a top-8 token's rows at once).
 template <typename T, int N, bool kScale>
 __global__ void unpermute_rows_kernel(const T* __restrict__ input, int64_t hidden, int num_choices,
                                       const int32_t* __restrict__ row_id_map, const float* __restrict__ scale,
@@ -217,7 +218,7 @@ __global__ void unpermute_rows_kernel(const T* __restrict__ input, int64_t hidde
   const int n = collect_token_slots(row_id_map + slot0, kScale ? scale + slot0 : nullptr, num_choices, slots,
                                     &s_count);
   using P = Pack<T, N>;
-  constexpr int kRowsInFlight = 4;
+  constexpr int kRowsInFlight = 8;
   const int64_t num_vectors = hidden / N;
   const P* src = reinterpret_cast<const P*>(input);
   P* dst = reinterpret_cast<P*>(out) + static_cast<int64_t>(blockIdx.x) * num_vectors;
@@ -340,21 +341,25 @@ __global__ void gather_rows_kernel(const T* __restrict__ input, int64_t hidden, 
 
 // ---- permute map ------------------------------------------------------------
 //
-// Three passes over token blocks, no atomics, so the layout is reproducible:
+// Four passes over token blocks, no atomics, so the layout is reproducible:
 //   1. count: block_counts[b][e] = slots of token block b routed to expert e;
-//   2. scan (one block): per expert, exclusive prefix over token blocks, then
-//      the zone start of every expert (padded sizes, expert order);
-//   3. assign: thread e walks block b's slots in order and hands out rows
+//   2. block scan (a warp per expert): exclusive prefix over token blocks, and
+//      the expert's padded zone size;
+//   3. zone scan (one block): zone start of every expert, in expert order;
+//   4. assign: thread e walks block b's slots in order and hands out rows
 //      from zone_start[e] + prefix[b][e].
-// Passes 1 and 3 give each expert to one thread, which scans the whole token
-// block from shared memory: T * C * E comparisons in all, a few microseconds
-// at T = 16384, K = 8, E = 256, and independent of how skewed the routing is.
+// Passes 1 and 4 give each expert to one thread, which scans the token block
+// from shared memory: T * C * E comparisons in all, a few microseconds at
+// T = 16384, K = 8, E = 256, whatever the skew of the routing.
 
 constexpr int kMapThreads = 256;
 constexpr int kScanThreads = 1024;
 
-int64_t map_tokens_per_block(int64_t num_choices) {
-  return std::max<int64_t>(1, std::min<int64_t>(128, 4096 / std::max<int64_t>(num_choices, 1)));
+// Small token blocks give passes 1 and 4 many blocks to spread over the SMs;
+// a top-k block keeps its tokens_per_block * K ids in shared memory.
+int64_t map_tokens_per_block(const Routing& routing) {
+  if (routing.format == RoutingFormat::kMask) return 64;
+  return std::max<int64_t>(1, std::min<int64_t>(64, 1024 / std::max<int64_t>(routing.num_choices, 1)));
 }
 
 template <typename IdT, bool kAssign>
@@ -429,24 +434,33 @@ __global__ void mask_map_kernel(const uint8_t* __restrict__ mask, int64_t num_to
   }
 }
 
-__global__ void zone_scan_kernel(int32_t* __restrict__ block_counts, int64_t num_blocks, int num_experts,
-                                 int64_t alignment, int64_t capacity, int64_t* __restrict__ zone_start,
+__global__ void block_scan_kernel(int32_t* __restrict__ block_counts, int64_t num_blocks, int num_experts,
+                                  int64_t alignment, int64_t* __restrict__ zone_size) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t e = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize;
+  if (e >= num_experts) return;
+  int64_t carry = 0;
+  for (int64_t b0 = 0; b0 < num_blocks; b0 += kWarpSize) {
+    const int64_t idx = (b0 + lane) * num_experts + e;
+    const bool in_range = b0 + lane < num_blocks;
+    const int32_t count = in_range ? block_counts[idx] : 0;
+    int32_t inclusive = count;
+#pragma unroll
+    for (int offset = 1; offset < kWarpSize; offset *= 2) {
+      const int32_t up = __shfl_up_sync(0xffffffffu, inclusive, offset);
+      if (lane >= offset) inclusive += up;
+    }
+    if (in_range) block_counts[idx] = static_cast<int32_t>(carry + inclusive - count);
+    carry += __shfl_sync(0xffffffffu, inclusive, kWarpSize - 1);
+  }
+  if (lane == 0) zone_size[e] = round_up(carry, alignment);
+}
+
+// Turns zone sizes into zone starts (in place) and writes the clipped counts.
+__global__ void zone_scan_kernel(int64_t* __restrict__ zone_start, int num_experts, int64_t capacity,
                                  int32_t* __restrict__ expert_counts, int64_t* __restrict__ required_rows) {
   using Scan = cub::BlockScan<long long, kScanThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
-  // zone_start holds each expert's padded size until the scan below turns it
-  // into the zone's first row.
-  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
-    int64_t running = 0;
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      const int64_t idx = b * num_experts + e;
-      const int32_t count = block_counts[idx];
-      block_counts[idx] = static_cast<int32_t>(running);
-      running += count;
-    }
-    zone_start[e] = round_up(running, alignment);
-  }
-  __syncthreads();
   const int per_thread = (num_experts + kScanThreads - 1) / kScanThreads;
   const int lo = std::min(num_experts, static_cast<int>(threadIdx.x) * per_thread);
   const int hi = std::min(num_experts, lo + per_thread);
@@ -545,15 +559,15 @@ void with_index_type(IndexType type, F&& f) {
 
 }  // namespace
 
-size_t permute_map_workspace_bytes(int64_t num_tokens, int64_t num_choices, int64_t num_experts) {
-  const int64_t num_blocks = ceil_div(num_tokens, map_tokens_per_block(num_choices));
+size_t permute_map_workspace_bytes(const Routing& routing, int64_t num_experts) {
+  const int64_t num_blocks = ceil_div(routing.num_tokens, map_tokens_per_block(routing));
   return static_cast<size_t>(round_up(num_blocks * num_experts * 4, 16) + num_experts * 8);
 }
 
 cudaError_t build_permute_map_cuda(const Routing& routing, int64_t num_experts, int64_t capacity, int64_t alignment,
                                    int32_t* row_id_map, int32_t* src_slot, int32_t* expert_counts,
                                    int64_t* required_rows, void* workspace, cudaStream_t stream) {
-  const int64_t tokens_per_block = map_tokens_per_block(routing.num_choices);
+  const int64_t tokens_per_block = map_tokens_per_block(routing);
   const int64_t num_blocks = ceil_div(routing.num_tokens, tokens_per_block);
   auto* block_counts = static_cast<int32_t*>(workspace);
   auto* zone_start =
@@ -582,8 +596,10 @@ cudaError_t build_permute_map_cuda(const Routing& routing, int64_t num_experts, 
     });
   };
   run_pass(std::false_type{});
-  zone_scan_kernel<<<1, kScanThreads, 0, stream>>>(block_counts, num_blocks, experts, alignment, capacity, zone_start,
-                                                   expert_counts, required_rows);
+  constexpr int kExpertsPerBlock = kMapThreads / kWarpSize;
+  block_scan_kernel<<<ceil_div(num_experts, kExpertsPerBlock), kMapThreads, 0, stream>>>(
+      block_counts, num_blocks, experts, alignment, zone_start);
+  zone_scan_kernel<<<1, kScanThreads, 0, stream>>>(zone_start, experts, capacity, expert_counts, required_rows);
   run_pass(std::true_type{});
   return cudaGetLastError();
 }

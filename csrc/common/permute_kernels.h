@@ -25,7 +25,7 @@ constexpr int64_t kMaxChoicesCuda = 2048;
 
 // Bytes of scratch build_permute_map_cuda needs; the caller allocates them on
 // the device (no alignment beyond 16 bytes is required).
-size_t permute_map_workspace_bytes(int64_t num_tokens, int64_t num_choices, int64_t num_experts);
+size_t permute_map_workspace_bytes(const Routing& routing, int64_t num_experts);
 
 // Like build_permute_map_cpu, plus required_rows[0] (int64, on the device).
 cudaError_t build_permute_map_cuda(const Routing& routing, int64_t num_experts, int64_t capacity, int64_t alignment,

@@ -47,7 +47,7 @@ TORCH_LIBRARY(te_ep, m) {
       "-> (Tensor output, Tensor permuted_probs, Tensor row_id_map, Tensor src_slot, Tensor expert_counts, "
       "Tensor required_rows)");
   m.def(
-      "permute_bwd(Tensor grad_output, Tensor? grad_permuted_probs, Tensor row_id_map) "
+      "permute_bwd(Tensor row_id_map, Tensor? grad_output, Tensor? grad_permuted_probs) "
       "-> (Tensor grad_tokens, Tensor grad_probs)");
   // Token order again: out[t] = sum_c merging_probs[t, c] * input[row_id_map[t, c]].
   m.def("unpermute(Tensor input, Tensor row_id_map, Tensor src_slot, Tensor? merging_probs) -> Tensor");

@@ -22,6 +22,10 @@ struct HandleEntry {
 
 std::mutex g_mutex;
 std::unordered_map<int64_t, std::shared_ptr<HandleEntry>> g_handles;
+// Configs of destroyed handles: a rank that destroyed its handle while the
+// others did not can still take part in the error agreement of the op the
+// others are running, so nobody waits forever.
+std::unordered_map<int64_t, HandleConfig> g_destroyed;
 int64_t g_next_id = 1;
 
 std::string to_string(c10::string_view s) { return std::string(s.data(), s.size()); }
@@ -47,12 +51,22 @@ std::string dtype_name(at::ScalarType t) {
 }
 
 std::shared_ptr<HandleEntry> lookup(const char* op, int64_t handle_id) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  auto it = g_handles.find(handle_id);
-  TORCH_CHECK(
-      it != g_handles.end(), "te_ep.", op, ": handle_id ", handle_id,
-      " is not a live handle (never created, or destroyed by EpHandle.destroy / EpGroup.shutdown)");
-  return it->second;
+  HandleConfig destroyed;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_handles.find(handle_id);
+    if (it != g_handles.end()) return it->second;
+    auto dead = g_destroyed.find(handle_id);
+    TORCH_CHECK(dead != g_destroyed.end(), "te_ep.", op, ": handle_id ", handle_id, " was never created");
+    destroyed = dead->second;
+  }
+  std::ostringstream msg;
+  msg << "te_ep." << op << ": handle_id " << handle_id
+      << " was destroyed (EpHandle.destroy / EpGroup.shutdown); create a new handle";
+  if (destroyed.backend == "reference") {
+    make_reference_backend(destroyed)->agree_on_errors(op, msg.str());
+  }
+  TORCH_CHECK(false, msg.str());
 }
 
 // Collects the first argument error of an op as a message instead of
@@ -186,9 +200,12 @@ void destroy_handle(int64_t handle_id) {
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = g_handles.find(handle_id);
-    TORCH_CHECK(it != g_handles.end(), "te_ep.destroy_handle: handle_id ", handle_id, " is not a live handle");
+    TORCH_CHECK(
+        it != g_handles.end(), "te_ep.destroy_handle: handle_id ", handle_id,
+        g_destroyed.count(handle_id) ? " was already destroyed" : " was never created");
     entry = std::move(it->second);
     g_handles.erase(it);
+    g_destroyed.emplace(handle_id, entry->cfg);
   }
 }
 

@@ -196,7 +196,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> permute(const Tensor&
   check_choices_cuda(op, routing);
   const cudaStream_t stream = stream_of(tokens);
   Tensor workspace = at::empty(
-      {static_cast<int64_t>(perm::permute_map_workspace_bytes(view.num_tokens, view.num_choices, num_experts))},
+      {static_cast<int64_t>(perm::permute_map_workspace_bytes(view, num_experts))},
       tokens.options().dtype(at::kByte));
   C10_CUDA_CHECK(perm::build_permute_map_cuda(view, num_experts, capacity, alignment, row_id_map.data_ptr<int32_t>(),
                                               src_slot.data_ptr<int32_t>(), expert_counts.data_ptr<int32_t>(),
@@ -211,28 +211,42 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> permute(const Tensor&
 #endif
 }
 
-std::tuple<Tensor, Tensor> permute_bwd(const Tensor& grad_output, const OptTensor& grad_permuted_probs,
-                                       const Tensor& row_id_map) {
+// Either gradient may be absent (autograd passes only those of outputs that
+// were used); the matching result is then an empty [0] tensor. row_id_map
+// comes first because DTensor takes the mesh from the first argument.
+std::tuple<Tensor, Tensor> permute_bwd(const Tensor& row_id_map, const OptTensor& grad_output,
+                                       const OptTensor& grad_permuted_probs) {
   constexpr const char* op = "te_ep.permute_bwd";
-  const perm::DType dtype = check_rows(op, "grad_output", grad_output);
-  check_map(op, "row_id_map", row_id_map, 2, "grad_output", grad_output);
-  const int64_t capacity = grad_output.size(0);
-  if (grad_permuted_probs.has_value()) {
-    check_probs(op, "grad_permuted_probs", *grad_permuted_probs, {capacity}, "grad_output", grad_output);
+  check_dim(op, "row_id_map", row_id_map, 2);
+  check_dtype(op, "row_id_map", row_id_map, at::kInt);
+  check_contiguous(op, "row_id_map", row_id_map);
+  TORCH_CHECK(grad_output.has_value() || grad_permuted_probs.has_value(), op,
+              ": needs grad_output or grad_permuted_probs, got neither");
+  const int64_t capacity = grad_output.has_value() ? grad_output->size(0) : grad_permuted_probs->size(0);
+  perm::DType dtype = perm::DType::kFloat32;
+  if (grad_output.has_value()) {
+    dtype = check_rows(op, "grad_output", *grad_output);
+    check_device(op, "grad_output", *grad_output, "row_id_map", row_id_map);
   }
-  check_map_rows_cpu(op, "row_id_map", row_id_map, capacity, "grad_output");
+  if (grad_permuted_probs.has_value()) {
+    check_probs(op, "grad_permuted_probs", *grad_permuted_probs, {capacity}, "row_id_map", row_id_map);
+  }
+  check_map_rows_cpu(op, "row_id_map", row_id_map, capacity, "the permuted buffer");
 
-  const c10::OptionalDeviceGuard guard(grad_output.device());
+  const c10::OptionalDeviceGuard guard(row_id_map.device());
   const int64_t num_tokens = row_id_map.size(0);
   const int64_t num_choices = row_id_map.size(1);
-  const int64_t hidden = grad_output.size(1);
-  Tensor grad_tokens = at::empty({num_tokens, hidden}, grad_output.options());
+  const int64_t hidden = grad_output.has_value() ? grad_output->size(1) : 0;
+  Tensor grad_tokens = grad_output.has_value() ? at::empty({num_tokens, hidden}, grad_output->options())
+                                               : empty_probs(row_id_map, 0);
   Tensor grad_probs = grad_permuted_probs.has_value()
-                          ? at::empty({num_tokens, num_choices}, grad_output.options().dtype(at::kFloat))
-                          : empty_probs(grad_output, 0);
-  if (grad_output.device().is_cpu()) {
-    perm::unpermute_rows_cpu(grad_output.data_ptr(), dtype, num_tokens, hidden, num_choices,
-                             row_id_map.data_ptr<int32_t>(), nullptr, grad_tokens.data_ptr());
+                          ? at::empty({num_tokens, num_choices}, row_id_map.options().dtype(at::kFloat))
+                          : empty_probs(row_id_map, 0);
+  if (row_id_map.device().is_cpu()) {
+    if (grad_output.has_value()) {
+      perm::unpermute_rows_cpu(grad_output->data_ptr(), dtype, num_tokens, hidden, num_choices,
+                               row_id_map.data_ptr<int32_t>(), nullptr, grad_tokens.data_ptr());
+    }
     if (grad_permuted_probs.has_value()) {
       perm::gather_values_cpu(row_id_map.data_ptr<int32_t>(), num_tokens * num_choices,
                               grad_permuted_probs->data_ptr<float>(), grad_probs.data_ptr<float>());
@@ -241,9 +255,12 @@ std::tuple<Tensor, Tensor> permute_bwd(const Tensor& grad_output, const OptTenso
   }
 #if TE_EP_WITH_CUDA
   check_choices_cuda(op, row_id_map);
-  const cudaStream_t stream = stream_of(grad_output);
-  C10_CUDA_CHECK(perm::unpermute_rows_cuda(grad_output.data_ptr(), dtype, num_tokens, hidden, num_choices,
-                                           row_id_map.data_ptr<int32_t>(), nullptr, grad_tokens.data_ptr(), stream));
+  const cudaStream_t stream = stream_of(row_id_map);
+  if (grad_output.has_value()) {
+    C10_CUDA_CHECK(perm::unpermute_rows_cuda(grad_output->data_ptr(), dtype, num_tokens, hidden, num_choices,
+                                             row_id_map.data_ptr<int32_t>(), nullptr, grad_tokens.data_ptr(),
+                                             stream));
+  }
   if (grad_permuted_probs.has_value()) {
     C10_CUDA_CHECK(perm::gather_values_cuda(row_id_map.data_ptr<int32_t>(), num_tokens * num_choices,
                                             grad_permuted_probs->data_ptr<float>(), grad_probs.data_ptr<float>(),

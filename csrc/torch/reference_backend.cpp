@@ -108,7 +108,6 @@ class ReferenceBackend final : public Backend {
     }
     // Forget the old routing first: after a failed prepare the handle has none.
     handle_mem.select(0, kPrepared).fill_(0);
-    prepared_tokens_ = -1;
     agree_on_errors("prepare", overflow);
 
     at::Tensor mem = at::zeros({handle_mem.numel()}, at::kLong);
@@ -120,7 +119,6 @@ class ReferenceBackend final : public Backend {
     std::copy(recv_host.data_ptr<int64_t>(), recv_host.data_ptr<int64_t>() + buckets_, m + kHeader + buckets_);
     std::copy(plan.order.begin(), plan.order.end(), m + kHeader + 2 * buckets_);
     handle_mem.copy_(mem);
-    prepared_tokens_ = topk_idx.size(0);
 
     at::Tensor counts = at::empty({cfg_.num_local_experts()}, at::kInt);
     for (int64_t e = 0; e < cfg_.num_local_experts(); ++e) counts[e] = layout.zone_rows[e];
@@ -162,7 +160,13 @@ class ReferenceBackend final : public Backend {
     return scatter_slots(to_experts(rows, plan), plan);
   }
 
-  int64_t prepared_num_tokens(const at::Tensor&) override { return prepared_tokens_; }
+  // Read from handle_mem itself, so the routing state lives in the tensor
+  // that flows through the graph and a copy of it is as good as the original.
+  int64_t prepared_num_tokens(const at::Tensor& handle_mem) override {
+    at::Tensor header = handle_mem.narrow(0, 0, kHeader).cpu();
+    const int64_t* m = header.data_ptr<int64_t>();
+    return m[kPrepared] == 1 ? m[kNumTokens] : -1;
+  }
 
  private:
   std::string build_plan(const at::Tensor& topk_idx, common::SendPlan* plan) const {
@@ -205,8 +209,11 @@ class ReferenceBackend final : public Backend {
     std::vector<int64_t> row_shape(send.sizes().begin(), send.sizes().end());
     row_shape[0] = total;
     at::Tensor recv = at::empty(row_shape, send.options());
-    at::Tensor send_bytes = send.contiguous().view(at::kByte).reshape({send.size(0), -1});
-    at::Tensor recv_bytes = recv.view(at::kByte).reshape({total, send_bytes.size(1)});
+    // Row width from the shape, not from numel: a rank may send or receive no rows.
+    int64_t row_bytes = send.element_size();
+    for (size_t d = 1; d < row_shape.size(); ++d) row_bytes *= row_shape[d];
+    at::Tensor send_bytes = send.contiguous().view(at::kByte).view({send.size(0), row_bytes});
+    at::Tensor recv_bytes = recv.view(at::kByte).view({total, row_bytes});
     pg_->alltoall_base(recv_bytes, send_bytes, recv_rows, send_rows)->wait();
     return recv;
   }
@@ -249,7 +256,6 @@ class ReferenceBackend final : public Backend {
   HandleConfig cfg_;
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   int64_t buckets_;
-  int64_t prepared_tokens_ = -1;
   common::SendPlan scratch_plan_;
 };
 

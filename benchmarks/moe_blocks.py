@@ -1,0 +1,337 @@
+"""Two expert-parallel MoE blocks with the same parameters and the same math.
+
+* :class:`NativeMoEBlock` is the plain PyTorch way (as TorchTitan writes it):
+  count the rows per expert, exchange the counts with ``all_to_all_single``,
+  copy them to the host (``.tolist()``) to get split sizes, sort the
+  (token, expert) pairs by expert, ``all_to_all_single`` the rows, regroup
+  them by local expert, run the experts, and undo everything in reverse,
+  ending with a weighted sum over each token's k expert outputs.
+* :class:`TeEpMoEBlock` does the same with te_ep_torch: ``ep_dispatch``
+  returns a fixed-size expert-major buffer with on-device zone sizes, the
+  grouped GEMM runs straight on it, and ``ep_combine`` brings the rows back.
+
+Both blocks: a replicated float32 router (softmax, top-k, weights normalised
+to sum 1 over the k choices), ``E / W`` SwiGLU experts per rank with stacked
+weights ``w_gate, w_up [E_local, H, F]`` and ``w_down [E_local, F, H]``, and
+``y[t] = sum_k w[t, k] * expert_{idx[t, k]}(x[t])``, where the weighting is a
+multiply in the token dtype and the sum accumulates in float32. Expert ``e``'s
+weights are drawn from a generator seeded with ``(seed, e)``, so the model is
+the same whatever the EP size; :func:`copy_parameters` copies a block's
+parameters into the other.
+
+Experts run either through ``torch._grouped_mm`` (one kernel per projection,
+offsets read on the device; a fast kernel for bfloat16 on SM 90 / SM 100) or
+through a loop over the local experts (host-side sizes; any device and dtype).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+import te_ep_torch as te
+
+__all__ = [
+    "GEMMS",
+    "MoEConfig",
+    "NativeMoEBlock",
+    "TeEpMoEBlock",
+    "copy_parameters",
+    "grouped_mm_has_fast_kernel",
+    "resolve_gemm",
+]
+
+GEMMS = ("auto", "grouped_mm", "loop")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """What both blocks agree on."""
+
+    hidden: int
+    ffn: int
+    num_experts: int
+    top_k: int
+    dtype: torch.dtype = torch.bfloat16
+
+
+def grouped_mm_has_fast_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs its CUTLASS kernel here.
+
+    That kernel (bfloat16, compute capability 9.x or 10.x) reads the offsets on
+    the device. Elsewhere ``torch._grouped_mm`` falls back to a loop of ``mm``
+    that copies the offsets to the host: correct, but no better than our loop.
+    """
+    if not hasattr(torch, "_grouped_mm") or device.type != "cuda" or dtype != torch.bfloat16:
+        return False
+    return torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
+def resolve_gemm(gemm: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``"auto"`` -> ``"grouped_mm"`` where it has a fast kernel, else ``"loop"``."""
+    if gemm not in GEMMS:
+        raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
+    if gemm == "auto":
+        return "grouped_mm" if grouped_mm_has_fast_kernel(device, dtype) else "loop"
+    if gemm == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
+        raise RuntimeError(f"gemm='grouped_mm' needs torch._grouped_mm, which torch {torch.__version__} lacks")
+    return gemm
+
+
+def swiglu_grouped_mm(x: Tensor, offs: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+    """SwiGLU experts over the zones of ``x [M, H]`` ending at ``offs [E_local]`` (int32).
+
+    Rows at and after ``offs[-1]`` are not computed: their output is whatever
+    the allocator held (``torch._grouped_mm`` leaves them unwritten).
+    """
+    gate = torch._grouped_mm(x, w_gate, offs=offs)
+    up = torch._grouped_mm(x, w_up, offs=offs)
+    return torch._grouped_mm(F.silu(gate) * up, w_down, offs=offs)
+
+
+def swiglu_loop(x: Tensor, counts: List[int], w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+    """SwiGLU experts over consecutive zones of ``counts[e]`` rows; rows after the last zone give zeros."""
+    outs = []
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            h = x[start : start + n]
+            outs.append((F.silu(h @ w_gate[e]) * (h @ w_up[e])) @ w_down[e])
+        start += n
+    if start < x.shape[0] or not outs:
+        outs.append(x.new_zeros(x.shape[0] - start, w_down.shape[-1]))
+    return torch.cat(outs)
+
+
+class _MoEBase(torch.nn.Module):
+    """Parameters, router and expert math shared by both blocks."""
+
+    def __init__(
+        self, config: MoEConfig, ep_rank: int, ep_size: int, device: torch.device, gemm: str, seed: int
+    ) -> None:
+        super().__init__()
+        if config.num_experts % ep_size:
+            raise ValueError(f"num_experts ({config.num_experts}) must be divisible by the EP size ({ep_size})")
+        if not 0 < config.top_k <= config.num_experts:
+            raise ValueError(f"top_k must be in [1, {config.num_experts}], got {config.top_k}")
+        self.config = config
+        self.ep_rank = ep_rank
+        self.ep_size = ep_size
+        self.num_local_experts = config.num_experts // ep_size
+        self.device = torch.device(device)
+        self.gemm = resolve_gemm(gemm, self.device, config.dtype)
+        h, f, e_local = config.hidden, config.ffn, self.num_local_experts
+        kw = dict(device=self.device)
+        # The router is replicated: every rank holds the same [E, H] float32 weights.
+        self.router = torch.nn.Parameter(torch.empty(config.num_experts, h, dtype=torch.float32, **kw))
+        self.w_gate = torch.nn.Parameter(torch.empty(e_local, h, f, dtype=config.dtype, **kw))
+        self.w_up = torch.nn.Parameter(torch.empty(e_local, h, f, dtype=config.dtype, **kw))
+        self.w_down = torch.nn.Parameter(torch.empty(e_local, f, h, dtype=config.dtype, **kw))
+        self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """Draws every expert from its global id, so the model does not depend on the EP size."""
+        cfg = self.config
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(seed)
+        self.router.copy_(torch.randn(cfg.num_experts, cfg.hidden, generator=gen) * cfg.hidden**-0.5)
+        first = self.ep_rank * self.num_local_experts
+        for e in range(self.num_local_experts):
+            gen.manual_seed(seed * 1_000_003 + 1 + first + e)
+            self.w_gate[e].copy_(torch.randn(cfg.hidden, cfg.ffn, generator=gen) * cfg.hidden**-0.5)
+            self.w_up[e].copy_(torch.randn(cfg.hidden, cfg.ffn, generator=gen) * cfg.hidden**-0.5)
+            self.w_down[e].copy_(torch.randn(cfg.ffn, cfg.hidden, generator=gen) * cfg.ffn**-0.5)
+
+    def route(self, x: Tensor):
+        """``(topk_weights [T, K] float32, topk_idx [T, K] int64)``."""
+        scores = F.linear(x.float(), self.router).softmax(dim=-1)
+        topk_weights, topk_idx = scores.topk(self.config.top_k, dim=-1)
+        return topk_weights / topk_weights.sum(dim=-1, keepdim=True), topk_idx
+
+    def _check_input(self, x: Tensor) -> None:
+        if x.dim() != 2 or x.shape[1] != self.config.hidden:
+            raise ValueError(f"x must be [T, {self.config.hidden}], got {list(x.shape)}")
+        if x.dtype != self.config.dtype:
+            raise ValueError(f"x must be {self.config.dtype}, got {x.dtype}")
+
+
+class NativeMoEBlock(_MoEBase):
+    """Expert parallelism written with ``all_to_all_single`` and index ops.
+
+    Args:
+        config: sizes and dtype.
+        process_group: the EP group (``None``: WORLD).
+        device: where parameters live (the group's device).
+        alignment: each local expert's zone is padded with zero rows to a
+            multiple of this (what a grouped GEMM may want); 1 = no padding.
+        gemm: ``"grouped_mm"``, ``"loop"`` or ``"auto"``.
+        seed: parameter seed (see :meth:`reset_parameters`).
+    """
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        process_group: Optional[dist.ProcessGroup] = None,
+        *,
+        device: torch.device,
+        alignment: int = 1,
+        gemm: str = "auto",
+        seed: int = 0,
+    ) -> None:
+        pg = process_group if process_group is not None else dist.group.WORLD
+        super().__init__(config, dist.get_rank(pg), dist.get_world_size(pg), device, gemm, seed)
+        if alignment < 1:
+            raise ValueError(f"alignment must be >= 1, got {alignment}")
+        self.process_group = pg
+        self.alignment = alignment
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check_input(x)
+        cfg, world, local = self.config, self.ep_size, self.num_local_experts
+        num_tokens, top_k = x.shape[0], cfg.top_k
+        topk_weights, topk_idx = self.route(x)
+        expert_of_pair = topk_idx.reshape(-1)
+
+        # 1. Rows per global expert; after the exchange, recv_counts[r * L + e] is
+        #    how many rows rank r sends to our local expert e.
+        counts = torch.zeros(cfg.num_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, expert_of_pair, torch.ones_like(expert_of_pair))
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=self.process_group)
+
+        # 2. all_to_all_single takes split sizes as host ints: the host waits for the GPU here.
+        host = torch.cat([counts, recv_counts]).tolist()
+        send_splits = [sum(host[r * local : (r + 1) * local]) for r in range(world)]
+        recv_host = host[cfg.num_experts :]
+        recv_splits = [sum(recv_host[r * local : (r + 1) * local]) for r in range(world)]
+
+        # 3. Sort the (token, expert) pairs by expert, which also groups them by
+        #    destination rank, copy their tokens and send them.
+        order = torch.argsort(expert_of_pair, stable=True)
+        token_of_pair = order // top_k
+        send = x.index_select(0, token_of_pair)
+        recv = _AllToAll.apply(send, recv_splits, send_splits, self.process_group)
+
+        # 4. Rows arrive ordered by (source rank, local expert); move each to its
+        #    expert's zone of the expert-major buffer, zones padded to `alignment`.
+        zone_rows = [sum(recv_host[r * local + e] for r in range(world)) for e in range(local)]
+        zone_rows = [-(-n // self.alignment) * self.alignment for n in zone_rows]
+        slots, zone_rows_dev = self._zone_slots(recv_counts.view(world, local), recv.shape[0])
+        expert_major = recv.new_zeros(sum(zone_rows), cfg.hidden).index_copy(0, slots, recv)
+
+        y = self._experts(expert_major, zone_rows, zone_rows_dev)
+
+        # 5. Reverse: back to arrival order and to the source ranks, then undo the
+        #    sort so that row t * K + k is choice k of token t, weight, sum over k
+        #    (the reduction accumulates in float32).
+        back = _AllToAll.apply(y.index_select(0, slots), send_splits, recv_splits, self.process_group)
+        unsort = torch.empty_like(order)
+        unsort[order] = torch.arange(order.numel(), device=order.device)
+        per_choice = back.index_select(0, unsort)
+        per_choice = per_choice * topk_weights.reshape(-1, 1).to(per_choice.dtype)
+        return per_choice.view(num_tokens, top_k, cfg.hidden).sum(dim=1)
+
+    def _zone_slots(self, recv_counts: Tensor, num_rows: int):
+        """``(slot of every received row in the expert-major buffer, padded zone sizes)``, on the device."""
+        world, local, a = self.ep_size, self.num_local_experts, self.alignment
+        padded = (recv_counts.sum(0) + a - 1) // a * a
+        zone_start = padded.cumsum(0) - padded
+        # Segment (r, e): the rows rank r sent to local expert e, consecutive on arrival.
+        seg_slot = (zone_start[None, :] + recv_counts.cumsum(0) - recv_counts).reshape(-1)
+        seg_len = recv_counts.reshape(-1)
+        seg_first_row = seg_len.cumsum(0) - seg_len
+        seg_of_row = torch.repeat_interleave(
+            torch.arange(world * local, device=seg_len.device), seg_len, output_size=num_rows
+        )
+        rows = torch.arange(num_rows, device=seg_len.device)
+        return seg_slot[seg_of_row] + rows - seg_first_row[seg_of_row], padded
+
+    def _experts(self, x: Tensor, zone_rows: List[int], zone_rows_dev: Tensor) -> Tensor:
+        if self.gemm == "grouped_mm":
+            offs = zone_rows_dev.cumsum(0, dtype=torch.int32)
+            return swiglu_grouped_mm(x, offs, self.w_gate, self.w_up, self.w_down)
+        return swiglu_loop(x, zone_rows, self.w_gate, self.w_up, self.w_down)
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of rows whose backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, out_splits: List[int], in_splits: List[int], group) -> Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        out_splits, in_splits = ctx.splits
+        grad_x = grad.new_empty(sum(in_splits), *grad.shape[1:])
+        dist.all_to_all_single(grad_x, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return grad_x, None, None, None
+
+
+class TeEpMoEBlock(_MoEBase):
+    """The same block on te_ep_torch: dispatch, grouped experts, combine.
+
+    Args:
+        config: sizes and dtype.
+        group: the :class:`te_ep_torch.EpGroup` (its process group is the EP group).
+        alignment: zone alignment of the handle (rows), e.g. what the grouped GEMM wants.
+        capacity: receive rows of the handle; ``None``: the worst case.
+        gemm: ``"grouped_mm"``, ``"loop"`` or ``"auto"``.
+        seed: parameter seed (see :meth:`reset_parameters`).
+    """
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        group: te.EpGroup,
+        *,
+        alignment: int = 16,
+        capacity: Optional[int] = None,
+        gemm: str = "auto",
+        seed: int = 0,
+    ) -> None:
+        if group.num_experts != config.num_experts:
+            raise ValueError(f"group has {group.num_experts} experts, config {config.num_experts}")
+        super().__init__(config, group.rank, group.ep_size, group.device, gemm, seed)
+        self.group = group
+        self.handle = group.create_handle(
+            top_k=config.top_k, hidden=config.hidden, dtype=config.dtype, alignment=alignment, capacity=capacity
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check_input(x)
+        topk_weights, topk_idx = self.route(x)
+        out = te.ep_dispatch(self.handle, x, topk_idx, topk_weights)
+        y = self._experts(out.tokens, out.expert_counts)
+        # Padding rows have weight 0; rows after the last zone are never read by combine.
+        y = y * out.weights[:, None].to(y.dtype)
+        return te.ep_combine(self.handle, y, x.shape[0])
+
+    def _experts(self, tokens: Tensor, expert_counts: Tensor) -> Tensor:
+        if self.gemm == "grouped_mm":
+            offs = expert_counts.cumsum(0, dtype=torch.int32)
+            return swiglu_grouped_mm(tokens, offs, self.w_gate, self.w_up, self.w_down)
+        # The loop needs the zone sizes on the host: a sync the grouped GEMM avoids.
+        return swiglu_loop(tokens, expert_counts.tolist(), self.w_gate, self.w_up, self.w_down)
+
+
+@torch.no_grad()
+def copy_parameters(src: torch.nn.Module, dst: torch.nn.Module) -> None:
+    """Copies every parameter of ``src`` into the parameter of the same name in ``dst``."""
+    theirs = dict(src.named_parameters())
+    mine = dict(dst.named_parameters())
+    if theirs.keys() != mine.keys():
+        raise ValueError(f"parameter names differ: {sorted(theirs)} vs {sorted(mine)}")
+    for name, p in mine.items():
+        if p.shape != theirs[name].shape:
+            raise ValueError(f"{name}: shape {list(theirs[name].shape)} vs {list(p.shape)}")
+        p.copy_(theirs[name])

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The whole GPU suite in one command, on a machine with CUDA GPUs:
+#   bash tests/gpu/run_all.sh            # logs under ${TE_EP_LOG_DIR:-gpu_logs}
+# Runs, for every world size W in ${TE_EP_WORLD_SIZES:-2 4} that the machine has GPUs for:
+# the shared cases on the reference and nccl_ep backends (nccl_ep also against
+# the reference), the nccl_ep smoke test, and the 1000-step soak at the largest
+# W; then the permutation CUDA tests. Prints a summary line per part and exits
+# non-zero if any part failed. TE_EP_PARTS (default "suite smoke soak perm")
+# selects parts, e.g. to split the run across shorter commands.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+LOG=${TE_EP_LOG_DIR:-gpu_logs}
+mkdir -p "$LOG"
+ngpu=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+if [ "$ngpu" -lt 1 ]; then
+  echo "no CUDA GPU visible: nothing to run"
+  exit 1
+fi
+PARTS=" ${TE_EP_PARTS:-suite smoke soak perm} "
+want() { [[ "$PARTS" == *" $1 "* ]]; }
+status=0
+summary=()
+run() {  # name, log file, command...
+  local name=$1 log=$2
+  shift 2
+  echo "=== $name" | tee -a "$log"
+  "$@" >>"$log" 2>&1
+  local rc=$?
+  local last
+  last=$(grep -E "^[0-9]+ passed, [0-9]+ failed|passed|failed" "$log" | tail -1)
+  summary+=("$(printf '%-44s rc=%-3s %s' "$name" "$rc" "$last")")
+  [ $rc -eq 0 ] || status=1
+}
+largest=0
+for w in ${TE_EP_WORLD_SIZES:-2 4}; do
+  [ "$w" -le "$ngpu" ] || continue
+  largest=$w
+  want suite && for backend in reference nccl_ep; do
+    run "suite W=$w backend=$backend" "$LOG/suite.log" \
+      timeout 900 "$PY" -m torch.distributed.run --standalone --nproc-per-node="$w" tests/gpu/run_suite.py --backend "$backend"
+  done
+  # The error-agreement cases, on nccl_ep's checking mode.
+  want suite && run "suite W=$w nccl_ep TE_EP_CHECK_ROUTING=1" "$LOG/suite.log" \
+    env TE_EP_CHECK_ROUTING=1 timeout 900 "$PY" -m torch.distributed.run --standalone --nproc-per-node="$w" \
+    tests/gpu/run_suite.py --backend nccl_ep --agreement only
+  want smoke && run "nccl_ep smoke W=$w" "$LOG/smoke.log" \
+    timeout 600 "$PY" -m torch.distributed.run --standalone --nproc-per-node="$w" tests/gpu/smoke_nccl_ep.py
+done
+if [ "$largest" -gt 0 ] && want soak; then
+  run "soak 1000 steps W=$largest nccl_ep" "$LOG/soak.log" \
+    timeout 900 "$PY" -m torch.distributed.run --standalone --nproc-per-node="$largest" tests/gpu/soak.py --steps 1000
+fi
+want perm && run "permutation CUDA tests" "$LOG/permutation.log" timeout 900 "$PY" -m pytest -q tests/test_permutation.py -k cuda
+echo
+printf '%s\n' "${summary[@]}"
+exit $status

@@ -1,0 +1,342 @@
+"""benchmarks/moe_blocks.py and benchmarks/bench_moe_layer.py on CPU (gloo, reference backend).
+
+NativeMoEBlock and TeEpMoEBlock must compute the same layer: the same output
+and the same gradients (input, router, expert weights) for the same parameters
+and input, and both must match a dense single-process computation in float64.
+The benchmark script must run under torchrun with ``--device cpu``.
+
+Multi-process tests launch themselves: 2 spawned processes over gloo on a free
+port, under a timeout.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import queue as queue_lib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parent.parent
+# Use this checkout's build when it is built in place.
+if (REPO / "te_ep_torch" / "_C.so").exists():
+    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import te_ep_torch as te  # noqa: E402
+from moe_blocks import MoEConfig, NativeMoEBlock, TeEpMoEBlock, copy_parameters  # noqa: E402
+
+WORLD = 2
+TIMEOUT_S = 150
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Relative L2 error allowed: between the two blocks, and against float64.
+BLOCKS_TOL = {"fp32": 1e-5, "bf16": 1e-2}
+DENSE_TOL = {"fp32": 1e-4, "bf16": 3e-2}
+QUANTITIES = ("output", "grad x", "grad router", "grad w_gate", "grad w_up", "grad w_down")
+
+# name: (dtype, gemm, alignment, tokens on rank 0, tokens on rank 1)
+CASES = {
+    "fp32-loop-a1": ("fp32", "loop", 1, 24, 17),
+    "fp32-grouped_mm-a4": ("fp32", "grouped_mm", 4, 24, 17),
+    "bf16-grouped_mm-a16": ("bf16", "grouped_mm", 16, 24, 17),
+    "bf16-loop-a8": ("bf16", "loop", 8, 5, 30),
+}
+HIDDEN, FFN, EXPERTS, TOP_K, MAX_TOKENS = 32, 48, 8, 3, 32
+
+
+# ---- launcher ---------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank: int, world: int, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        payload = fn(rank, world)
+        # Gloo aborts a rank whose peer tore its connections down first.
+        dist.barrier()
+        results.put((rank, True, payload))
+    except BaseException:  # noqa: BLE001  (reported to the parent, which fails the test)
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(fn, world: int = WORLD, timeout: float = TIMEOUT_S):
+    """Runs ``fn(rank, world)`` on ``world`` spawned gloo ranks; returns their results by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    out = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                pytest.fail(f"ranks {sorted(set(range(world)) - set(out))} did not finish within {timeout}s")
+            try:
+                rank, ok, payload = results.get(timeout=min(left, 1.0))
+            except queue_lib.Empty:
+                dead = {i: p.exitcode for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in out}
+                if dead:
+                    pytest.fail(f"ranks exited without a result: {dead}")
+                continue
+            if not ok:
+                pytest.fail(f"rank {rank} failed:\n{payload}")
+            out[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return out
+
+
+# ---- what the ranks run -----------------------------------------------------------
+
+
+def _fwd_bwd(block, x, grad_out):
+    for p in block.parameters():
+        p.grad = None
+    leaf = x.detach().requires_grad_()
+    out = block(leaf)
+    out.backward(grad_out)
+    result = {"output": out.detach(), "grad x": leaf.grad}
+    for name, p in block.named_parameters():
+        result[f"grad {name}"] = p.grad if p.grad is not None else torch.zeros_like(p)
+    return result
+
+
+def _dense(block, x, grad_out, rank, world):
+    """The layer in float64 on one rank, every expert's weights gathered; expert grads summed over ranks."""
+    full = {}
+    for name in ("w_gate", "w_up", "w_down"):
+        local = getattr(block, name).detach().contiguous()
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local)
+        full[name] = torch.cat(parts).double().requires_grad_()
+    router = block.router.detach().double().requires_grad_()
+    leaf = x.detach().double().requires_grad_()
+    # Same experts as the blocks chose (float32 scores): float64 could break near-ties differently.
+    _, topk_idx = block.route(x)
+    weights = (leaf @ router.t()).softmax(dim=-1).gather(1, topk_idx)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    out = torch.zeros_like(leaf)
+    for k in range(topk_idx.shape[1]):
+        e = topk_idx[:, k]
+        gate = torch.einsum("th,thf->tf", leaf, full["w_gate"][e])
+        up = torch.einsum("th,thf->tf", leaf, full["w_up"][e])
+        y = torch.einsum("tf,tfh->th", torch.nn.functional.silu(gate) * up, full["w_down"][e])
+        out = out + weights[:, k : k + 1] * y
+    out.backward(grad_out.double())
+    local = block.num_local_experts
+    result = {"output": out.detach(), "grad x": leaf.grad, "grad router": router.grad}
+    for name, t in full.items():
+        dist.all_reduce(t.grad)
+        result[f"grad {name}"] = t.grad[rank * local : (rank + 1) * local]
+    return result
+
+
+def _rel(got, ref) -> float:
+    got, ref = got.double(), ref.double()
+    err = (got - ref).norm() / ref.norm().clamp_min(1e-30)
+    return float("inf") if not torch.isfinite(err) else float(err)
+
+
+class _PoisonedTail(TeEpMoEBlock):
+    """Writes NaN into every expert-output row after the last zone (never read by combine)."""
+
+    poisoned_rows = 0
+
+    def _experts(self, tokens, expert_counts):
+        y = super()._experts(tokens, expert_counts)
+        tail = torch.arange(y.shape[0], device=y.device)[:, None] >= expert_counts.sum()
+        self.poisoned_rows = int(tail.sum())
+        return torch.where(tail, torch.full_like(y, float("nan")), y)
+
+
+def _agreement(rank: int, world: int):
+    group = te.EpGroup(num_experts=EXPERTS, max_tokens_per_rank=MAX_TOKENS, backend="reference")
+    metrics = {}
+    for case, (dtype_name, gemm, alignment, t0, t1) in CASES.items():
+        dtype = DTYPES[dtype_name]
+        cfg = MoEConfig(hidden=HIDDEN, ffn=FFN, num_experts=EXPERTS, top_k=TOP_K, dtype=dtype)
+        native = NativeMoEBlock(cfg, device="cpu", alignment=alignment, gemm=gemm, seed=3)
+        # Another seed, then a copy: the blocks agree only if copy_parameters works.
+        te_block = TeEpMoEBlock(cfg, group, alignment=alignment, gemm=gemm, seed=4)
+        copy_parameters(native, te_block)
+        gen = torch.Generator().manual_seed(100 + rank)
+        tokens = (t0, t1)[rank]
+        x = torch.randn(tokens, HIDDEN, generator=gen).to(dtype)
+        grad_out = torch.randn(tokens, HIDDEN, generator=gen).to(dtype)
+        ref = _fwd_bwd(native, x, grad_out)
+        got = _fwd_bwd(te_block, x, grad_out)
+        dense = _dense(native, x, grad_out, rank, world)
+        metrics[case] = {
+            "blocks": {q: _rel(got[q], ref[q]) for q in QUANTITIES},
+            "native_vs_dense": {q: _rel(ref[q], dense[q]) for q in QUANTITIES},
+            "te_vs_dense": {q: _rel(got[q], dense[q]) for q in QUANTITIES},
+        }
+        te_block.handle.destroy()
+
+    # Rank 0 has no tokens (native block only: te_ep's reference backend can't send nothing yet).
+    cfg = MoEConfig(hidden=HIDDEN, ffn=FFN, num_experts=EXPERTS, top_k=TOP_K, dtype=torch.float32)
+    native = NativeMoEBlock(cfg, device="cpu", alignment=4, gemm="loop", seed=3)
+    x = torch.randn((0, 30)[rank], HIDDEN, generator=torch.Generator().manual_seed(100 + rank))
+    grad_out = torch.randn_like(x)
+    ref, dense = _fwd_bwd(native, x, grad_out), _dense(native, x, grad_out, rank, world)
+    metrics["native_empty_rank"] = {q: _rel(ref[q], dense[q]) if ref[q].numel() else 0.0 for q in QUANTITIES}
+
+    plain = TeEpMoEBlock(cfg, group, alignment=4, gemm="grouped_mm", seed=5)
+    poisoned = _PoisonedTail(cfg, group, alignment=4, gemm="grouped_mm", seed=5)
+    x = torch.randn(20, HIDDEN, generator=torch.Generator().manual_seed(7 + rank))
+    grad_out = torch.randn_like(x)
+    a, b = _fwd_bwd(plain, x, grad_out), _fwd_bwd(poisoned, x, grad_out)
+    metrics["poisoned_tail"] = {q: float((a[q] - b[q]).abs().max()) if b[q].isfinite().all() else float("inf")
+                                for q in QUANTITIES}
+    metrics["poisoned_tail"]["rows"] = poisoned.poisoned_rows
+    group.shutdown()
+    return metrics
+
+
+# ---- tests ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def agreement():
+    by_rank = launch(_agreement)
+    merged = {}
+    for metrics in by_rank.values():
+        for case, table in metrics.items():
+            dst = merged.setdefault(case, {})
+            for key, value in table.items():
+                if isinstance(value, dict):
+                    inner = dst.setdefault(key, {})
+                    for q, v in value.items():
+                        inner[q] = max(inner.get(q, 0.0), v)
+                else:
+                    dst[key] = max(dst.get(key, 0.0), value)
+    return merged
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_blocks_agree(agreement, case):
+    tol = BLOCKS_TOL[CASES[case][0]]
+    errors = agreement[case]["blocks"]
+    assert all(errors[q] <= tol for q in QUANTITIES), f"relative L2 error te_ep vs native > {tol}: {errors}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("block", ["native", "te"])
+def test_block_matches_dense_float64(agreement, case, block):
+    tol = DENSE_TOL[CASES[case][0]]
+    errors = agreement[case][f"{block}_vs_dense"]
+    assert all(errors[q] <= tol for q in QUANTITIES), f"relative L2 error {block} vs float64 > {tol}: {errors}"
+
+
+def test_rows_after_last_zone_are_never_read(agreement):
+    # TeEpMoEBlock leaves rows past the last zone as torch._grouped_mm left them (unwritten memory);
+    # NaN there must change nothing, forward or backward.
+    diffs = agreement["poisoned_tail"]
+    assert diffs["rows"] > 0, "no row after the last zone: nothing was poisoned"
+    assert all(diffs[q] == 0.0 for q in QUANTITIES), diffs
+
+
+def test_native_block_with_an_empty_rank(agreement):
+    errors = agreement["native_empty_rank"]
+    assert all(errors[q] <= DENSE_TOL["fp32"] for q in QUANTITIES), errors
+
+
+def test_copy_parameters_checks_names_and_shapes():
+    a, b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 5)
+    with pytest.raises(ValueError, match="shape"):
+        copy_parameters(a, b)
+    with pytest.raises(ValueError, match="names"):
+        copy_parameters(a, torch.nn.Sequential(torch.nn.Linear(4, 3)))
+    c = torch.nn.Linear(4, 3)
+    copy_parameters(a, c)
+    assert torch.equal(a.weight, c.weight) and torch.equal(a.bias, c.bias)
+
+
+def _torchrun(script, *args, cwd) -> str:
+    """Runs ``script`` on WORLD CPU ranks under torchrun; returns its output (stdout + stderr)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
+           str(script), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if (REPO / "te_ep_torch" / "_C.so").exists():
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    # A session of its own, so that a hang can be ended with every rank torchrun started.
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{script} did not finish within {TIMEOUT_S}s:\n{output}")
+    assert proc.returncode == 0, output
+    return output
+
+
+def _run_bench(tmp_path, *extra):
+    csv_path = tmp_path / "moe_layer.csv"
+    output = _torchrun(REPO / "benchmarks" / "bench_moe_layer.py", "--device", "cpu", "--warmup", "1",
+                       "--iters", "2", "--csv", str(csv_path), *extra, cwd=tmp_path)
+    with open(csv_path) as f:
+        rows = list(csv.DictReader(f))
+    return output, rows
+
+
+def test_bench_moe_layer_cpu(tmp_path):
+    output, rows = _run_bench(tmp_path)
+    assert "fwd+bwd ms" in output and "tokens/s/GPU" in output, output
+    for q in QUANTITIES:
+        assert any(line.split()[:len(q.split())] == q.split() and line.rstrip().endswith("ok")
+                   for line in output.splitlines()), f"no passing verify line for {q!r}:\n{output}"
+    assert "MISMATCH" not in output and "FAILED" not in output, output
+    assert [(r["block"], r["backend"]) for r in rows] == [("native", "-"), ("te_ep", "reference")]
+    assert float(rows[0]["speedup"]) == 1.0
+    assert all(float(r["step_ms"]) > 0 and float(r["tokens_per_s_per_gpu"]) > 0 for r in rows)
+
+
+def test_bench_moe_layer_cpu_bf16_grouped_mm(tmp_path):
+    output, rows = _run_bench(tmp_path, "--dtype", "bf16", "--gemm", "grouped_mm", "--backend", "auto", "reference",
+                              "--alignment", "8", "--top-k", "3")
+    assert "resolves to reference, already measured" in output, output
+    assert "MISMATCH" not in output, output
+    assert [r["gemm"] for r in rows] == ["grouped_mm", "grouped_mm"]
+    assert [r["dtype"] for r in rows] == ["bf16", "bf16"]
+
+
+def test_tutorial_comparison_script_runs(tmp_path):
+    text = (REPO / "docs" / "tutorial.md").read_text()
+    start = text.index("# compare_blocks.py")
+    script = tmp_path / "compare_blocks.py"
+    script.write_text(text[start : text.index("```", start)])
+    output = _torchrun(script, cwd=REPO)
+    # Both ranks print: lines may interleave, numbers stay whole.
+    diffs = [float(v) for v in re.findall(r"max \|diff\| ([0-9.e+-]+)", output)]
+    assert len(diffs) == WORLD * len(QUANTITIES), output
+    assert max(diffs) <= 1e-5, output
