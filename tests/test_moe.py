@@ -103,6 +103,21 @@ def reference_moe(moe: MoE, x):
     return out.reshape(x.shape)
 
 
+def fresh_compile(module):
+    """``torch.compile(fullgraph=True)`` without on-disk caches.
+
+    The caches key on the traced graph, not on the te_ep op library: a cached backward
+    could call an op with the argument order of an older build.
+    """
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    inductor_config.fx_graph_cache = False
+    functorch_config.enable_autograd_cache = False
+    return torch.compile(module, fullgraph=True)
+
+
 def make_moe(seed=0, hidden=16, ffn=24, experts=8, top_k=2, **kw):
     torch.manual_seed(seed)
     return MoE(hidden, ffn, experts, top_k, **kw)
@@ -289,8 +304,7 @@ def test_local_moe_returns_aux_loss():
 def test_local_moe_compiles_fullgraph():
     moe = make_moe(alignment=4, shared_expert_ffn_hidden=8, aux_loss_coef=0.01)
     ref = copy.deepcopy(moe)
-    torch._dynamo.reset()
-    compiled = torch.compile(moe, fullgraph=True)
+    compiled = fresh_compile(moe)
     x = torch.randn(24, 16, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_(True)
     y, aux = compiled(x, return_aux_loss=True)
@@ -659,7 +673,7 @@ def _worker_compile(dtype: str = "float32") -> None:
         moe.router.process_group = dist.group.WORLD  # global aux loss: a functional all-reduce in the graph
         models.append(moe)
     eager, to_compile = models
-    compiled = torch.compile(to_compile, fullgraph=True)
+    compiled = fresh_compile(to_compile)
     results = []
     for model in (eager, compiled):
         for step in range(2):  # the second step reuses the handles and the compiled graph
