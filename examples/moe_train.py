@@ -151,7 +151,8 @@ class Progress:
         width = 30
         done = width * self.n // self.total
         end = "\n" if self.n == self.total else ""
-        print(f"\rtrain [{'#' * done}{'.' * (width - done)}] {self.n}/{self.total} loss {loss:.4f}", end=end, flush=True)
+        bar = "#" * done + "." * (width - done)
+        print(f"\rtrain [{bar}] {self.n}/{self.total} loss {loss:.4f}", end=end, flush=True)
 
     def write(self, line: str) -> None:
         if not self.enabled:
@@ -218,7 +219,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--aux-loss-coef", type=float, default=1e-2)
     p.add_argument("--shared-expert-ffn", type=int, default=0, help="inner width of a shared expert (0: none)")
     p.add_argument("--ep", type=int, default=None, help="EP size (default: all ranks)")
-    p.add_argument("--dp", type=int, default=None, help="FSDP size over which experts are sharded (default: world / ep)")
+    p.add_argument("--dp", type=int, default=None, help="FSDP size sharding the experts (default: world / ep)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--backend", default="auto", choices=te.BACKENDS)
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
