@@ -1,72 +1,239 @@
-"""Expert-parallel MoE forward + backward under torchrun.
+"""Train a small MoE transformer with expert parallelism x FSDP2 under torchrun.
 
-    torchrun --nproc-per-node=2 examples/moe_train.py            # CPU, gloo, reference backend
-    torchrun --nproc-per-node=$(nvidia-smi -L | wc -l) examples/moe_train.py   # GPUs, NCCL
+    torchrun --nproc-per-node=2 examples/moe_train.py                 # CPU: gloo, reference backend
+    torchrun --nproc-per-node=4 examples/moe_train.py --ep 2          # EP 2 x FSDP dp 2
+    torchrun --nproc-per-node=$(nvidia-smi -L | wc -l) examples/moe_train.py   # GPUs: NCCL, nccl_ep
+    torchrun --nproc-per-node=4 examples/moe_train.py --check         # compare with one process
 
-Each rank owns num_experts / world_size experts. A step routes every rank's
-tokens with a learned top-k router, dispatches them to the experts' ranks,
-runs the local experts, combines the weighted outputs back and regresses
-them onto a fixed random teacher MoE; the loss goes down.
+The model: token + position embeddings, ``--layers`` blocks of causal self-attention
+and a te_ep_torch MoE layer (top-k router, SwiGLU experts), an LM head. The data: each
+sequence is an arithmetic progression modulo the vocabulary with a random start and
+a random stride in [1, 4], so after two tokens the rest is predictable and the loss
+falls well below ln(vocab).
+
+Parallelism: a (dp, ep) mesh over all ranks. Each MoE layer keeps num_experts / ep
+experts per rank and dispatches tokens over its EP group (te_ep_torch.parallel.
+ExpertParallel); FSDP2 shards experts over dp and everything else over all ranks, with
+the gradient scaling of te_ep_torch.parallel.apply_fsdp. Every rank reads its own
+slice of one global batch. At the end the model and optimizer are saved with
+torch.distributed.checkpoint (``--ckpt-dir``); ``--load`` resumes from such a
+checkpoint, whatever (dp, ep) layout wrote it.
+
+``--check`` first runs one forward/backward of the distributed model and of an
+unsharded copy on one process (no parallelism: local permutation, no FSDP) on the same
+global batch, and compares the logits, the loss and every gradient. Tolerance: the
+largest absolute difference of each tensor, divided by the largest absolute value of
+the reference tensor, must be below 1e-4 in float32 and 5e-2 in bfloat16. A mismatch
+exits non-zero (on every rank).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import math
 import os
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 import te_ep_torch as te
+from te_ep_torch.moe import MoE
+from te_ep_torch.parallel import (
+    init_moe_mesh,
+    load_checkpoint,
+    parallelize_moe_model,
+    save_checkpoint,
+    shutdown_ep_groups,
+)
+
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 
 
-class ExpertParallelMoE(torch.nn.Module):
-    """Router -> ep_dispatch -> local SwiGLU experts -> ep_combine."""
-
-    def __init__(self, group: te.EpGroup, hidden: int, ffn: int, top_k: int, dtype: torch.dtype, alignment: int):
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int) -> None:
         super().__init__()
-        self.group = group
-        self.top_k = top_k
-        self.router = torch.nn.Linear(hidden, group.num_experts, bias=False, dtype=torch.float32)
-        e_local = group.num_local_experts
-        scale = hidden**-0.5
-        self.w_gate = torch.nn.Parameter(torch.randn(e_local, hidden, ffn, dtype=dtype) * scale)
-        self.w_up = torch.nn.Parameter(torch.randn(e_local, hidden, ffn, dtype=dtype) * scale)
-        self.w_down = torch.nn.Parameter(torch.randn(e_local, ffn, hidden, dtype=dtype) * ffn**-0.5)
-        self.handle = group.create_handle(top_k=top_k, hidden=hidden, dtype=dtype, alignment=alignment)
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.proj = nn.Linear(hidden, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scores = self.router(x.float()).softmax(dim=-1)
-        topk_weights, topk_idx = scores.topk(self.top_k, dim=-1)
-        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-        out = te.ep_dispatch(self.handle, x, topk_idx, topk_weights)
-        # Row r of the receive buffer belongs to the zone whose end offset is the
-        # first one above r; rows past the last zone are padding and stay zero.
-        ends = out.expert_counts.cumsum(0)
-        rows = torch.arange(out.tokens.shape[0], device=x.device)
-        expert = torch.bucketize(rows, ends, right=True).clamp(max=self.group.num_local_experts - 1)
-        h = out.tokens[:, None, :]
-        act = F.silu(torch.bmm(h, self.w_gate[expert])) * torch.bmm(h, self.w_up[expert])
-        y = torch.bmm(act, self.w_down[expert]).squeeze(1)
-        y = y * out.weights[:, None].to(y.dtype)
-        return te.ep_combine(self.handle, y, x.shape[0])
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, h))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--tokens", type=int, default=256, help="tokens per rank per step")
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--ffn", type=int, default=128)
-    parser.add_argument("--experts-per-rank", type=int, default=4)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--alignment", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--backend", default="auto", choices=te.BACKENDS)
-    args = parser.parse_args()
+class Block(nn.Module):
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(args.hidden)
+        self.attn = Attention(args.hidden, args.heads)
+        self.moe_norm = nn.RMSNorm(args.hidden)
+        self.moe = MoE(
+            args.hidden,
+            args.ffn,
+            args.num_experts,
+            args.top_k,
+            score_func=args.score_func,
+            expert_bias=args.expert_bias,
+            aux_loss_coef=args.aux_loss_coef,
+            shared_expert_ffn_hidden=args.shared_expert_ffn,
+        )
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.moe(self.moe_norm(x))
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(args.vocab, args.hidden)
+        self.pos = nn.Parameter(torch.randn(args.seq_len, args.hidden) * 0.02)
+        self.blocks = nn.ModuleList(Block(args) for _ in range(args.layers))
+        self.norm = nn.RMSNorm(args.hidden)
+        self.head = nn.Linear(args.hidden, args.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]].to(self.embed.weight.dtype)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+    def aux_loss(self) -> torch.Tensor:
+        losses = [b.moe.aux_loss for b in self.blocks if b.moe.aux_loss is not None]
+        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.head.weight.device)
+
+
+def global_batch(step: int, args: argparse.Namespace, batch: int, device: torch.device):
+    """The step's batch of all ranks: ``batch`` progressions of ``seq_len + 1`` tokens."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+    start = torch.randint(0, args.vocab, (batch, 1), generator=g)
+    stride = torch.randint(1, 5, (batch, 1), generator=g)
+    seq = (start + stride * torch.arange(args.seq_len + 1)) % args.vocab
+    return seq[:, :-1].to(device), seq[:, 1:].to(device)
+
+
+def loss_fn(model: MoETransformer, inputs: torch.Tensor, targets: torch.Tensor):
+    logits = model(inputs)
+    ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    return ce + model.aux_loss(), logits
+
+
+class Progress:
+    """tqdm where it is installed, else a one-line text bar; silent off rank 0."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled, self.n, self.postfix = total, enabled, 0, ""
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, desc="train", dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def update(self, loss: float) -> None:
+        self.n += 1
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}")
+            self.bar.update(1)
+            return
+        width = 30
+        done = width * self.n // self.total
+        end = "\n" if self.n == self.total else ""
+        bar = "#" * done + "." * (width - done)
+        print(f"\rtrain [{bar}] {self.n}/{self.total} loss {loss:.4f}", end=end, flush=True)
+
+    def write(self, line: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(("\n" if 0 < self.n < self.total else "") + line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.detach().float(), ref.detach().float()
+    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+
+
+def check_against_single_process(model, reference, args, rank, world, device, dtype) -> bool:
+    """One forward/backward of ``model`` (distributed) and ``reference`` (one process); compare."""
+    batch = args.batch_size
+    inputs, targets = global_batch(0, args, batch * world, device)
+    sl = slice(rank * batch, (rank + 1) * batch)
+    loss, logits = loss_fn(model, inputs[sl], targets[sl])
+    loss.backward()
+    ref_loss, ref_logits = loss_fn(reference, inputs, targets)
+    ref_loss.backward()
+
+    mean_loss = loss.detach().clone()
+    dist.all_reduce(mean_loss)
+    mean_loss /= world
+    rows = [("logits", relative_error(logits, ref_logits[sl])), ("loss", relative_error(mean_loss, ref_loss))]
+    ref_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        rows.append((f"grad {name}", relative_error(grad, ref_params[name].grad)))
+    tol = TOLERANCE[dtype]
+    bad = torch.tensor([sum(err > tol for _, err in rows)], device=device)
+    dist.all_reduce(bad)
+    if rank == 0:
+        print(f"--check: {world} ranks vs one process, {dtype}, tolerance {tol:g} (max |diff| / max |ref|)")
+        for name, err in rows:
+            print(f"  {'FAIL' if err > tol else 'ok  '} {err:.2e}  {name}")
+        print(f"--check: {'passed' if bad.item() == 0 else f'FAILED ({bad.item()} mismatches over all ranks)'}")
+    model.zero_grad(set_to_none=True)
+    return bad.item() == 0
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--ffn", type=int, default=128, help="inner width of each expert")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--num-experts", type=int, default=None, help="default: 4 per EP rank")
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--score-func", default="softmax", choices=("softmax", "sigmoid"))
+    p.add_argument("--expert-bias", action="store_true", help="aux-loss-free balancing bias, updated every step")
+    p.add_argument("--aux-loss-coef", type=float, default=1e-2)
+    p.add_argument("--shared-expert-ffn", type=int, default=0, help="inner width of a shared expert (0: none)")
+    p.add_argument("--ep", type=int, default=None, help="EP size (default: all ranks)")
+    p.add_argument("--dp", type=int, default=None, help="FSDP size sharding the experts (default: world / ep)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--backend", default="auto", choices=te.BACKENDS)
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="compute dtype (auto: bfloat16 on GPUs, float32 on CPU); parameters stay float32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--check", action="store_true", help="compare with a single-process run first (see above)")
+    p.add_argument("--ckpt-dir", default=None, help="where to save the final checkpoint (default: a temp dir)")
+    p.add_argument("--no-save", action="store_true", help="skip the final checkpoint")
+    p.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     use_cuda = torch.cuda.is_available()
     if use_cuda:
@@ -74,52 +241,111 @@ def main() -> None:
     dist.init_process_group("nccl" if use_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    dtype = torch.bfloat16 if use_cuda else torch.float32
-    torch.manual_seed(1234 + rank)
-
-    group = te.EpGroup(
-        num_experts=args.experts_per_rank * world, max_tokens_per_rank=args.tokens, backend=args.backend
+    if not use_cuda:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+        args.dtype, torch.bfloat16 if use_cuda else torch.float32
     )
-    model = ExpertParallelMoE(group, args.hidden, args.ffn, args.top_k, dtype, args.alignment).to(device)
-    teacher = torch.randn(args.hidden, args.hidden, device=device) * args.hidden**-0.5
-    # The router is replicated: average its gradient so all ranks stay in sync.
-    for p in model.router.parameters():
-        dist.broadcast(p.data, src=0)
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-    if rank == 0:
-        print(f"world={world} device={device} backend={group.backend} dtype={dtype} experts={group.num_experts}")
 
-    first = last = None
+    args.ep = args.ep or world
+    args.dp = args.dp or world // args.ep
+    if args.dp * args.ep != world:
+        raise SystemExit(f"--dp ({args.dp}) x --ep ({args.ep}) must equal the number of ranks ({world})")
+    args.num_experts = args.num_experts or 4 * args.ep
+    if args.num_experts % args.ep:
+        raise SystemExit(f"--num-experts ({args.num_experts}) must be divisible by --ep ({args.ep})")
+
+    torch.manual_seed(args.seed)  # same initial weights on every rank
+    model = MoETransformer(args).to(device)
+    reference = copy.deepcopy(model) if args.check else None
+
+    mesh = init_moe_mesh(device.type, dp=args.dp, ep=args.ep)
+    mp_policy = None
+    if dtype != torch.float32:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    parallelize_moe_model(
+        model,
+        mesh,
+        max_tokens_per_rank=args.batch_size * args.seq_len,
+        backend=args.backend,
+        blocks=model.blocks,
+        mp_policy=mp_policy,
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    ep_group = model.blocks[0].moe.ep_group
+    if rank == 0:
+        print(
+            f"ranks={world} (dp={args.dp} x ep={args.ep}) device={device.type} backend={ep_group.backend} "
+            f"dtype={dtype} experts={args.num_experts} ({ep_group.num_local_experts}/rank) top_k={args.top_k} "
+            f"tokens/rank/step={args.batch_size * args.seq_len}",
+            flush=True,
+        )
+    if args.load:
+        load_checkpoint(args.load, model, opt)
+        if rank == 0:
+            print(f"loaded checkpoint {args.load}", flush=True)
+
+    ok = True
+    if args.check:
+        # The single-process copy gets the distributed model's weights (loaded ones included).
+        full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+        reference.load_state_dict(full)
+        reference.to(dtype)
+        ok = check_against_single_process(model, reference, args, rank, world, device, dtype)
+        del reference
+
+    losses = []
+    progress = Progress(args.steps, enabled=rank == 0)
     start = time.perf_counter()
+    sl = slice(rank * args.batch_size, (rank + 1) * args.batch_size)
     for step in range(args.steps):
-        x = torch.randn(args.tokens, args.hidden, device=device)
-        target = torch.tanh(x @ teacher)
-        y = model(x.to(dtype))
-        loss = F.mse_loss(y.float(), target)
-        opt.zero_grad(set_to_none=True)
+        inputs, targets = global_batch(step + 1, args, args.batch_size * world, device)
+        loss, _ = loss_fn(model, inputs[sl], targets[sl])
         loss.backward()
-        for p in model.router.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= world
         opt.step()
+        opt.zero_grad(set_to_none=True)
+        if args.expert_bias:
+            for block in model.blocks:
+                block.moe.update_expert_bias()
         avg = loss.detach().clone()
         dist.all_reduce(avg)
-        avg = avg.item() / world
-        first = avg if first is None else first
-        last = avg
-        if rank == 0 and (step % max(1, args.steps // 10) == 0 or step == args.steps - 1):
-            print(f"step {step:4d}/{args.steps}  loss {avg:.5f}")
+        losses.append(avg.item() / world)
+        progress.update(losses[-1])
+        if step % max(1, args.steps // 6) == 0 or step == args.steps - 1:
+            progress.write(f"step {step:4d}/{args.steps}  loss {losses[-1]:.4f}")
+    progress.close()
     elapsed = time.perf_counter() - start
-    if rank == 0:
-        tok_s = args.steps * args.tokens / elapsed
-        print(f"loss {first:.5f} -> {last:.5f} in {elapsed:.1f}s ({tok_s:.0f} tokens/s per rank)")
-    group.shutdown()
+
+    if not args.no_save:
+        import tempfile
+
+        path = args.ckpt_dir or os.path.join(tempfile.gettempdir(), "te_ep_moe_train_ckpt")
+        save_checkpoint(path, model, opt)
+        if rank == 0:
+            print(f"saved checkpoint (torch.distributed.checkpoint) to {path}", flush=True)
+
+    if rank == 0 and losses:
+        head, tail = losses[: min(5, len(losses))], losses[-min(5, len(losses)) :]
+        print(
+            f"loss {sum(head) / len(head):.4f} -> {sum(tail) / len(tail):.4f} (ln(vocab) = {math.log(args.vocab):.4f}) "
+            f"in {elapsed:.1f}s, {args.steps * args.batch_size * args.seq_len / max(elapsed, 1e-9):.0f} tokens/s/rank",
+            flush=True,
+        )
+    went_down = len(losses) < 10 or sum(losses[-5:]) < sum(losses[:5])
+
+    shutdown_ep_groups()
     # Gloo aborts a rank whose peer tore its connections down first.
     dist.barrier()
     dist.destroy_process_group()
-    if last >= first:
-        raise SystemExit(f"loss did not go down: {first} -> {last}")
+    if not ok:
+        return 1
+    if not went_down:
+        print(f"loss did not go down: {losses[:5]} -> {losses[-5:]}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,527 @@
+"""A ready Mixture-of-Experts layer: router -> dispatch -> grouped SwiGLU experts -> combine.
+
+:class:`MoE` routes each token to ``top_k`` of ``num_experts`` SwiGLU experts and sums
+their outputs weighted by the routing weights. Without expert parallelism it permutes
+tokens locally (``te_ep_torch.permutation``); once :meth:`MoE.enable_expert_parallel`
+has given it an :class:`~te_ep_torch.EpGroup` (``te_ep_torch.parallel.ExpertParallel``
+does that under ``parallelize_module``), each rank keeps ``num_experts / ep_size``
+experts and tokens travel with :func:`~te_ep_torch.ep_dispatch` /
+:func:`~te_ep_torch.ep_combine`. Both paths produce the same expert-major buffer
+(zones padded to ``alignment``), so the experts see the same input either way.
+Output shapes never depend on routing values: the layer traces under
+``torch.compile(fullgraph=True)``. docs/moe.md has the details.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .autograd import ep_combine, ep_dispatch
+from .group import EpGroup, EpHandle
+from .permutation import permute, unpermute, worst_case_capacity
+
+__all__ = [
+    "EXPERT_IMPLS",
+    "GROUPED_MM_ALIGNMENT",
+    "SCORE_FUNCS",
+    "GroupedExperts",
+    "MoE",
+    "RouterOutput",
+    "SwiGLU",
+    "TopKRouter",
+    "grouped_mm_supported",
+]
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+EXPERT_IMPLS = ("auto", "grouped_mm", "loop")
+# torch._grouped_mm (CUTLASS, bf16) wants 16-byte aligned group starts in every
+# operand, its backward included (where the groups split the contraction dim); 16
+# rows keeps that true for bf16 and for 8-bit types alike.
+GROUPED_MM_ALIGNMENT = 16
+
+
+def _local(t: Tensor) -> Tensor:
+    """The local shard of an expert-parallel DTensor parameter (the tensor itself otherwise)."""
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor):
+            return t.to_local()
+    return t
+
+
+@torch.compiler.assume_constant_result
+def _cuda_capability_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype, *dims: int) -> bool:
+    """Whether ``torch._grouped_mm`` has a fast kernel for these operands.
+
+    That is CUDA compute capability 9.0 or newer, bfloat16, and every feature dim a
+    multiple of 8 (16-byte row strides). Elsewhere :class:`GroupedExperts` uses its
+    loop fallback under ``impl="auto"``.
+    """
+    if not hasattr(torch, "_grouped_mm") or device.type != "cuda" or dtype != torch.bfloat16:
+        return False
+    if any(d % 8 for d in dims):
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_capability_major(index) >= 9
+
+
+class RouterOutput(NamedTuple):
+    """What :class:`TopKRouter` returns for ``T`` tokens and ``E`` experts.
+
+    Attributes:
+        topk_idx: ``[T, K]`` int64 chosen experts (global ids).
+        topk_weights: ``[T, K]`` float32 routing weights (differentiable).
+        scores: ``[T, E]`` float32 softmax or sigmoid scores (no bias).
+        tokens_per_expert: ``[E]`` float32 choices per expert in this call (no grad).
+        aux_loss: scalar load-balancing loss (already times its coefficient), or
+            ``None`` when the router has none.
+    """
+
+    topk_idx: Tensor
+    topk_weights: Tensor
+    scores: Tensor
+    tokens_per_expert: Tensor
+    aux_loss: Optional[Tensor]
+
+
+class TopKRouter(nn.Module):
+    """Top-k router over softmax or sigmoid scores, computed in float32.
+
+    Args:
+        hidden: token width.
+        num_experts: ``E``.
+        top_k: experts per token.
+        score_func: ``"softmax"`` or ``"sigmoid"``.
+        normalize_weights: rescale the ``top_k`` weights of a token to sum to 1;
+            default ``True`` for sigmoid scores, ``False`` for softmax.
+        route_scale: constant factor on the routing weights.
+        expert_bias: keep a score bias per expert for auxiliary-loss-free balancing:
+            it is added to the scores to *select* experts only (the weights stay the
+            unbiased scores), and :meth:`update_expert_bias` moves it toward balance.
+        bias_update_rate: step of :meth:`update_expert_bias`.
+        aux_loss_coef: coefficient of the switch-style load-balancing loss
+            ``coef * E * sum_e f_e * P_e`` (``f_e``: fraction of the choices that picked
+            ``e``; ``P_e``: mean over tokens of ``e``'s normalized score); 0 = none.
+        dtype, device: of the gate weight ``[E, hidden]``.
+
+    ``process_group`` (attribute, default ``None``): when set, ``f_e`` and the load
+    counted for the bias update are summed over this group, so that with equal token
+    counts per rank the mean of the ranks' aux losses is the aux loss of the global
+    batch and every rank updates the bias identically.
+    ``te_ep_torch.parallel.apply_fsdp`` sets it to the data-parallel group.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        score_func: str = "softmax",
+        normalize_weights: Optional[bool] = None,
+        route_scale: float = 1.0,
+        expert_bias: bool = False,
+        bias_update_rate: float = 1e-3,
+        aux_loss_coef: float = 0.0,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+    ) -> None:
+        super().__init__()
+        if score_func not in SCORE_FUNCS:
+            raise ValueError(f"TopKRouter: score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"TopKRouter: top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        if aux_loss_coef < 0:
+            raise ValueError(f"TopKRouter: aux_loss_coef must be >= 0, got {aux_loss_coef}")
+        self.hidden = hidden
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.score_func = score_func
+        self.normalize_weights = (score_func == "sigmoid") if normalize_weights is None else normalize_weights
+        self.route_scale = route_scale
+        self.bias_update_rate = bias_update_rate
+        self.aux_loss_coef = aux_loss_coef
+        self.process_group: Optional[torch.distributed.ProcessGroup] = None
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype, device=device))
+        if expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device))
+            self.register_buffer(
+                "expert_load", torch.zeros(num_experts, dtype=torch.float32, device=device), persistent=False
+            )
+        else:
+            self.expert_bias = None
+            self.expert_load = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=self.hidden**-0.5)
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden={self.hidden}, num_experts={self.num_experts}, top_k={self.top_k}, "
+            f"score_func={self.score_func!r}, expert_bias={self.expert_bias is not None}, "
+            f"aux_loss_coef={self.aux_loss_coef}"
+        )
+
+    def _sum_over_group(self, t: Tensor) -> Tensor:
+        if self.process_group is None or torch.distributed.get_world_size(self.process_group) == 1:
+            return t
+        from torch.distributed import _functional_collectives as funcol
+
+        return funcol.all_reduce(t, "sum", self.process_group)
+
+    def forward(self, x: Tensor) -> RouterOutput:
+        """Routes ``x [T, hidden]``."""
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
+        select = scores if self.expert_bias is None else scores + self.expert_bias
+        topk_idx = select.detach().topk(self.top_k, dim=-1).indices
+        topk_weights = scores.gather(1, topk_idx)
+        if self.normalize_weights:
+            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        if self.route_scale != 1.0:
+            topk_weights = topk_weights * self.route_scale
+
+        flat = topk_idx.reshape(-1)
+        tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.float32, device=x.device)
+        tokens_per_expert = tokens_per_expert.index_add(0, flat, torch.ones_like(flat, dtype=torch.float32))
+        if self.expert_load is not None and self.training:
+            self.expert_load.add_(tokens_per_expert)
+
+        aux_loss = None
+        if self.aux_loss_coef > 0:
+            # f is a count (no gradient), so summing it over ranks needs no autograd;
+            # P stays local and differentiable, and averaging the ranks' losses (what
+            # data-parallel gradient reduction does) averages P over the global batch.
+            counts = self._sum_over_group(tokens_per_expert)
+            f = counts / counts.sum().clamp_min(1.0)
+            probs = scores if self.score_func == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
+            p = probs.mean(dim=0)
+            aux_loss = self.aux_loss_coef * self.num_experts * (f * p).sum()
+        return RouterOutput(topk_idx, topk_weights, scores, tokens_per_expert, aux_loss)
+
+    @torch.no_grad()
+    def update_expert_bias(self) -> Optional[Tensor]:
+        """Moves the selection bias toward balanced load and resets the load counter.
+
+        Experts that got fewer choices than average since the last update gain
+        ``bias_update_rate``, busier ones lose it. The load is summed over
+        ``process_group`` (collective then) so all ranks keep the same bias. Call it
+        after the optimizer step. Returns the load it used (``None`` without a bias).
+        """
+        if self.expert_bias is None:
+            return None
+        load = self.expert_load.clone()
+        if self.process_group is not None and torch.distributed.get_world_size(self.process_group) > 1:
+            torch.distributed.all_reduce(load, group=self.process_group)
+        self.expert_bias.add_(self.bias_update_rate * torch.sign(load.mean() - load))
+        self.expert_load.zero_()
+        return load
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(x @ gate) * (x @ up))``: the dense (shared) expert."""
+
+    def __init__(self, hidden: int, ffn_hidden: int, *, dtype: torch.dtype = torch.float32, device=None) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden, ffn_hidden, bias=False, dtype=dtype, device=device)
+        self.up = nn.Linear(hidden, ffn_hidden, bias=False, dtype=dtype, device=device)
+        self.down = nn.Linear(ffn_hidden, hidden, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` SwiGLU experts with stacked weights, run on an expert-major buffer.
+
+    Parameters (global shapes; with expert parallelism each is a ``Shard(0)`` DTensor
+    whose local shard holds the rank's experts): ``w_gate [E, hidden, ffn_hidden]``,
+    ``w_up [E, hidden, ffn_hidden]``, ``w_down [E, ffn_hidden, hidden]``.
+
+    Args:
+        impl: ``"grouped_mm"`` (``torch._grouped_mm``: one grouped GEMM per weight),
+            ``"loop"`` (one dense GEMM per local expert over the whole buffer with the
+            rows of other experts masked to zero: static shapes, any device and dtype,
+            ``E_local`` times the FLOPs) or ``"auto"`` (``grouped_mm`` where
+            :func:`grouped_mm_supported`, else ``loop``).
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        ffn_hidden: int,
+        *,
+        impl: str = "auto",
+        dtype: torch.dtype = torch.float32,
+        device=None,
+    ) -> None:
+        super().__init__()
+        if impl not in EXPERT_IMPLS:
+            raise ValueError(f"GroupedExperts: impl must be one of {EXPERT_IMPLS}, got {impl!r}")
+        if impl == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
+            raise ValueError(f"GroupedExperts: impl='grouped_mm' needs torch._grouped_mm (torch {torch.__version__})")
+        self.num_experts = num_experts
+        self.hidden = hidden
+        self.ffn_hidden = ffn_hidden
+        self.impl = impl
+        self.w_gate = nn.Parameter(torch.empty(num_experts, hidden, ffn_hidden, dtype=dtype, device=device))
+        self.w_up = nn.Parameter(torch.empty(num_experts, hidden, ffn_hidden, dtype=dtype, device=device))
+        self.w_down = nn.Parameter(torch.empty(num_experts, ffn_hidden, hidden, dtype=dtype, device=device))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            for w, fan_in in ((self.w_gate, self.hidden), (self.w_up, self.hidden), (self.w_down, self.ffn_hidden)):
+                _local(w).normal_(std=fan_in**-0.5)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, hidden={self.hidden}, ffn_hidden={self.ffn_hidden}, impl={self.impl!r}"
+
+    def resolved_impl(self, device: torch.device, dtype: torch.dtype) -> str:
+        """The implementation ``forward`` uses for inputs on ``device`` of ``dtype``."""
+        if self.impl != "auto":
+            return self.impl
+        return "grouped_mm" if grouped_mm_supported(device, dtype, self.hidden, self.ffn_hidden) else "loop"
+
+    def forward(self, x: Tensor, expert_counts: Tensor) -> Tensor:
+        """Runs the local experts.
+
+        Args:
+            x: ``[rows, hidden]`` expert-major zones (zone ``e`` starts at
+                ``expert_counts[:e].sum()``), padding rows zero.
+            expert_counts: ``[E_local]`` int32 rows per zone, padding included.
+
+        Returns:
+            ``[rows, hidden]``; rows outside the zones are zero, padding rows stay zero.
+        """
+        w_gate, w_up, w_down = _local(self.w_gate), _local(self.w_up), _local(self.w_down)
+        if expert_counts.shape[0] != w_gate.shape[0]:
+            raise ValueError(
+                f"GroupedExperts: expert_counts has {expert_counts.shape[0]} zones, "
+                f"this rank holds {w_gate.shape[0]} experts"
+            )
+        if self.resolved_impl(x.device, x.dtype) == "grouped_mm":
+            return _swiglu_grouped_mm(x, expert_counts, w_gate, w_up, w_down)
+        return _swiglu_loop(x, expert_counts, w_gate, w_up, w_down)
+
+
+def _swiglu_grouped_mm(x: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+    offs = counts.cumsum(0, dtype=torch.int32)
+    # The grouped GEMM leaves rows past the last zone unwritten, in its output and in
+    # the gradient of its input; the masks make both zero.
+    used = (torch.arange(x.shape[0], device=x.device) < offs[-1]).unsqueeze(1)
+    x = torch.where(used, x, 0)
+    h = F.silu(torch._grouped_mm(x, w_gate, offs=offs)) * torch._grouped_mm(x, w_up, offs=offs)
+    return torch.where(used, torch._grouped_mm(h, w_down, offs=offs), 0)
+
+
+def _swiglu_loop(x: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+    ends = counts.cumsum(0)
+    starts = ends - counts
+    rows = torch.arange(x.shape[0], device=x.device)
+    out = torch.zeros(x.shape[0], w_down.shape[2], dtype=x.dtype, device=x.device)
+    # silu(0) * 0 = 0 and there are no biases, so a masked row contributes exactly 0
+    # and the sum over experts equals each row's own expert output.
+    for e in range(w_gate.shape[0]):
+        mine = ((rows >= starts[e]) & (rows < ends[e])).unsqueeze(1)
+        xe = torch.where(mine, x, 0)
+        h = F.silu(xe @ w_gate[e]) * (xe @ w_up[e])
+        out = out + h @ w_down[e]
+    return out
+
+
+class MoE(nn.Module):
+    """Router -> dispatch -> grouped SwiGLU experts -> weighted combine (+ shared expert).
+
+    Args:
+        hidden: token width ``H``.
+        ffn_hidden: inner width of each expert.
+        num_experts: ``E`` (global).
+        top_k: experts per token.
+        score_func, normalize_weights, route_scale, expert_bias, bias_update_rate,
+            aux_loss_coef: see :class:`TopKRouter`.
+        shared_expert_ffn_hidden: inner width of a dense SwiGLU expert every token
+            also goes through (its output is added unweighted); 0 = none.
+        expert_impl: see :class:`GroupedExperts`.
+        alignment: per-expert zone alignment in rows (power of two); ``None`` picks
+            :data:`GROUPED_MM_ALIGNMENT` where the experts run ``torch._grouped_mm``
+            and 1 elsewhere.
+        dtype, device: of the expert and shared-expert weights; the router weight is
+            float32.
+
+    ``forward(x [..., H]) -> [..., H]`` in ``x``'s dtype; the last aux loss is kept in
+    :attr:`aux_loss` (``None`` without one) and also returned by
+    ``forward(x, return_aux_loss=True)``.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        ffn_hidden: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        score_func: str = "softmax",
+        normalize_weights: Optional[bool] = None,
+        route_scale: float = 1.0,
+        expert_bias: bool = False,
+        bias_update_rate: float = 1e-3,
+        aux_loss_coef: float = 0.0,
+        shared_expert_ffn_hidden: int = 0,
+        expert_impl: str = "auto",
+        alignment: Optional[int] = None,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+    ) -> None:
+        super().__init__()
+        if alignment is not None and (alignment <= 0 or alignment & (alignment - 1)):
+            raise ValueError(f"MoE: alignment must be a power of two, got {alignment}")
+        self.hidden = hidden
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.alignment = alignment
+        self.router = TopKRouter(
+            hidden,
+            num_experts,
+            top_k,
+            score_func=score_func,
+            normalize_weights=normalize_weights,
+            route_scale=route_scale,
+            expert_bias=expert_bias,
+            bias_update_rate=bias_update_rate,
+            aux_loss_coef=aux_loss_coef,
+            device=device,
+        )
+        self.experts = GroupedExperts(num_experts, hidden, ffn_hidden, impl=expert_impl, dtype=dtype, device=device)
+        self.shared_expert = (
+            SwiGLU(hidden, shared_expert_ffn_hidden, dtype=dtype, device=device) if shared_expert_ffn_hidden else None
+        )
+        self.aux_loss: Optional[Tensor] = None
+        self._ep_group: Optional[EpGroup] = None
+        self._handles: Dict[torch.dtype, EpHandle] = {}
+
+    @property
+    def ep_group(self) -> Optional[EpGroup]:
+        """The :class:`EpGroup` tokens are dispatched over, ``None`` without expert parallelism."""
+        return self._ep_group
+
+    @property
+    def ep_size(self) -> int:
+        return 1 if self._ep_group is None else self._ep_group.ep_size
+
+    def zone_alignment(self, device: torch.device, dtype: torch.dtype) -> int:
+        """Rows each expert's zone is padded to for tokens on ``device`` of ``dtype``."""
+        if self.alignment is not None:
+            return self.alignment
+        return GROUPED_MM_ALIGNMENT if self.experts.resolved_impl(device, dtype) == "grouped_mm" else 1
+
+    def enable_expert_parallel(
+        self,
+        ep_group: EpGroup,
+        *,
+        dtype: Optional[torch.dtype] = None,
+        capacity: Optional[int] = None,
+    ) -> None:
+        """Dispatches tokens over ``ep_group`` from now on (collective: creates a handle).
+
+        The expert parameters must already hold this rank's experts only (plain
+        tensors of ``E / ep_size`` experts, or ``Shard(0)`` DTensors over the group,
+        as :class:`~te_ep_torch.parallel.ExpertParallel` makes them).
+
+        Args:
+            ep_group: the expert-parallel group; its ``num_experts`` must be this
+                layer's.
+            dtype: dtype of the tokens this layer will see (the compute dtype, e.g.
+                bfloat16 under an FSDP mixed-precision policy); default: the experts'
+                parameter dtype. Call again with another dtype to add a handle.
+            capacity: receive rows per rank; ``None`` = the worst case
+                (``EpGroup.worst_case_capacity``), which no routing can overflow.
+        """
+        if ep_group.num_experts != self.num_experts:
+            raise ValueError(
+                f"MoE.enable_expert_parallel: ep_group has num_experts={ep_group.num_experts}, "
+                f"the layer has {self.num_experts}"
+            )
+        local_experts = _local(self.experts.w_gate).shape[0]
+        if local_experts != ep_group.num_local_experts:
+            raise ValueError(
+                f"MoE.enable_expert_parallel: this rank holds {local_experts} experts, ep_group expects "
+                f"{ep_group.num_local_experts} (num_experts / ep_size); shard the expert weights first "
+                "(te_ep_torch.parallel.ExpertParallel)"
+            )
+        if self._ep_group is not None and self._ep_group is not ep_group:
+            raise RuntimeError("MoE.enable_expert_parallel: the layer already uses another EpGroup")
+        dtype = dtype if dtype is not None else self.experts.w_gate.dtype
+        if dtype in self._handles:
+            return
+        self._ep_group = ep_group
+        self._handles[dtype] = ep_group.create_handle(
+            top_k=self.top_k,
+            hidden=self.hidden,
+            dtype=dtype,
+            alignment=self.zone_alignment(ep_group.device, dtype),
+            capacity=capacity,
+        )
+
+    def forward(self, x: Tensor, return_aux_loss: bool = False):
+        shape = x.shape
+        tokens = x.reshape(-1, self.hidden)
+        routing = self.router(tokens)
+        if self._ep_group is None:
+            y = self._experts_local(tokens, routing)
+        else:
+            y = self._experts_ep(tokens, routing)
+        if self.shared_expert is not None:
+            y = y + self.shared_expert(tokens)
+        self.aux_loss = routing.aux_loss
+        y = y.reshape(shape)
+        return (y, routing.aux_loss) if return_aux_loss else y
+
+    def _weighted_experts(self, rows: Tensor, row_weights: Tensor, counts: Tensor) -> Tensor:
+        y = self.experts(rows, counts)
+        return (y.float() * row_weights.unsqueeze(1)).to(y.dtype)
+
+    def _experts_local(self, tokens: Tensor, routing: RouterOutput) -> Tensor:
+        alignment = self.zone_alignment(tokens.device, tokens.dtype)
+        capacity = worst_case_capacity(tokens.shape[0], self.top_k, self.num_experts, alignment)
+        rows, row_weights, perm_map = permute(
+            tokens,
+            routing.topk_idx,
+            routing.topk_weights,
+            num_experts=self.num_experts,
+            capacity=capacity,
+            alignment=alignment,
+        )
+        y = self._weighted_experts(rows, row_weights, perm_map.expert_counts)
+        return unpermute(y, perm_map)
+
+    def _experts_ep(self, tokens: Tensor, routing: RouterOutput) -> Tensor:
+        handle = self._handles.get(tokens.dtype)
+        if handle is None:
+            raise RuntimeError(
+                f"MoE: no expert-parallel handle for {tokens.dtype} tokens (have {sorted(map(str, self._handles))}); "
+                f"call enable_expert_parallel(ep_group, dtype={tokens.dtype}) first"
+            )
+        out = ep_dispatch(handle, tokens, routing.topk_idx, routing.topk_weights)
+        y = self._weighted_experts(out.tokens, out.weights, out.expert_counts)
+        return ep_combine(handle, y, tokens.shape[0])
+
+    @torch.no_grad()
+    def update_expert_bias(self) -> Optional[Tensor]:
+        """:meth:`TopKRouter.update_expert_bias` of this layer's router."""
+        return self.router.update_expert_bias()
+
+    def extra_repr(self) -> str:
+        return f"ep_size={self.ep_size}"
+

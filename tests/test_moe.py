@@ -1,0 +1,709 @@
+"""MoE layer (te_ep_torch.moe) and sharding layer (te_ep_torch.parallel) on CPU.
+
+Single-process tests check the router, the expert implementations and the EP-size-1
+layer against plain-PyTorch references. Multi-process tests launch their own gloo
+workers (reference backend; see ``_launch``) and compare with a single-process dense
+reference computed on every rank: forward, every gradient, FSDP2 x EP gradient
+scaling, DCP across EP sizes, and torch.compile. The same worker bodies run on GPUs
+(NCCL, backend ``auto`` = nccl_ep where usable) in the tests marked ``gpu``, which skip
+where fewer GPUs are present.
+
+Tolerances: float32 outputs and gradients ``atol=1e-5, rtol=1e-4`` on CPU and
+``atol=1e-4, rtol=1e-3`` on GPUs (only the summation order differs); bfloat16:
+``max |diff| <= 3e-2 * max |reference|`` per tensor; bfloat16 grouped GEMM vs float32
+loop ``atol=rtol=2e-2``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import te_ep_torch  # noqa: F401  (loads the op library)
+from te_ep_torch.moe import GroupedExperts, MoE, TopKRouter
+
+REPO = Path(__file__).resolve().parents[1]
+F32 = dict(atol=1e-5, rtol=1e-4)
+GPU_F32 = dict(atol=1e-4, rtol=1e-3)
+BF16_REL = 3e-2
+
+
+def _device() -> torch.device:
+    """The workers' device: set by ``_launch`` (cuda ranks use the GPU of their rank)."""
+    if os.environ.get("TE_EP_TEST_DEVICE", "cpu") == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _backend() -> str:
+    return "reference" if _device().type == "cpu" else "auto"
+
+
+def assert_close(got, ref, name="", dtype=torch.float32):
+    """float32: ``assert_close`` with the device's tolerance; bfloat16: relative to the max."""
+    if dtype == torch.bfloat16:
+        err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-12)).item()
+        assert err <= BF16_REL, f"{name}: max |diff| / max |ref| = {err:.3e} > {BF16_REL}"
+        return
+    tol = F32 if got.device.type == "cpu" else GPU_F32
+    torch.testing.assert_close(got, ref, **tol, msg=lambda m: f"{name}: {m}")
+
+
+# ---- plain-PyTorch references ----------------------------------------------------------
+
+
+def swiglu(x, w_gate, w_up, w_down):
+    return (F.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+def reference_experts(x, counts, w_gate, w_up, w_down):
+    """Each zone through its own expert, zone by zone (host loop over exact slices)."""
+    out = torch.zeros(x.shape[0], w_down.shape[2], dtype=x.dtype)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        out[start : start + n] = swiglu(x[start : start + n], w_gate[e], w_up[e], w_down[e])
+        start += n
+    return out
+
+
+def reference_router(router: TopKRouter, x):
+    logits = x.float() @ router.weight.float().t()
+    scores = logits.softmax(-1) if router.score_func == "softmax" else logits.sigmoid()
+    biased = scores if router.expert_bias is None else scores + router.expert_bias
+    idx = biased.topk(router.top_k, dim=-1).indices
+    w = scores.gather(1, idx)
+    if router.normalize_weights:
+        w = w / w.sum(-1, keepdim=True)
+    return idx, w * router.route_scale, scores
+
+
+def reference_moe(moe: MoE, x):
+    """Every expert on every token, masked by the routing: no permutation, no communication."""
+    tokens = x.reshape(-1, moe.hidden)
+    idx, w, _ = reference_router(moe.router, tokens)
+    ex = moe.experts
+    out = torch.zeros_like(tokens, dtype=torch.float32)
+    for e in range(moe.num_experts):
+        gate = (w * (idx == e)).sum(-1, keepdim=True)
+        out = out + gate * swiglu(tokens, ex.w_gate[e], ex.w_up[e], ex.w_down[e]).float()
+    out = out.to(x.dtype)
+    if moe.shared_expert is not None:
+        out = out + moe.shared_expert(tokens)
+    return out.reshape(x.shape)
+
+
+def fresh_compile(module):
+    """``torch.compile(fullgraph=True)`` without on-disk caches.
+
+    The caches key on the traced graph, not on the te_ep op library: a cached backward
+    could call an op with the argument order of an older build.
+    """
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    inductor_config.fx_graph_cache = False
+    functorch_config.enable_autograd_cache = False
+    return torch.compile(module, fullgraph=True)
+
+
+def make_moe(seed=0, hidden=16, ffn=24, experts=8, top_k=2, **kw):
+    torch.manual_seed(seed)
+    return MoE(hidden, ffn, experts, top_k, **kw)
+
+
+# ---- router -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("normalize", [None, True, False])
+def test_router_matches_reference(score_func, normalize):
+    torch.manual_seed(0)
+    router = TopKRouter(16, 8, 3, score_func=score_func, normalize_weights=normalize, route_scale=2.0)
+    x = torch.randn(40, 16)
+    out = router(x)
+    idx, w, scores = reference_router(router, x)
+    assert out.topk_idx.dtype == torch.int64 and out.topk_weights.dtype == torch.float32
+    assert torch.equal(out.topk_idx, idx)
+    torch.testing.assert_close(out.topk_weights, w)
+    torch.testing.assert_close(out.scores, scores)
+    assert out.aux_loss is None
+    assert torch.equal(out.tokens_per_expert, torch.bincount(idx.flatten(), minlength=8).float())
+    if normalize or (normalize is None and score_func == "sigmoid"):
+        torch.testing.assert_close(out.topk_weights.sum(-1), torch.full((40,), 2.0))
+
+
+def test_router_bfloat16_input_gives_float32_weights():
+    router = TopKRouter(16, 4, 2)
+    out = router(torch.randn(5, 16, dtype=torch.bfloat16))
+    assert out.topk_weights.dtype == torch.float32 and out.scores.dtype == torch.float32
+
+
+def test_router_bias_selects_but_does_not_weight():
+    torch.manual_seed(0)
+    router = TopKRouter(16, 8, 2, score_func="sigmoid", expert_bias=True)
+    x = torch.randn(32, 16)
+    router.expert_bias[5] = 10.0
+    out = router(x)
+    assert (out.topk_idx == 5).any(-1).all(), "a large bias must put expert 5 in every token's top-k"
+    raw = out.scores.gather(1, out.topk_idx)
+    torch.testing.assert_close(out.topk_weights, raw / raw.sum(-1, keepdim=True))
+    assert "expert_bias" in router.state_dict() and "expert_load" not in router.state_dict()
+
+
+def test_router_bias_update_moves_toward_balance():
+    torch.manual_seed(0)
+    router = TopKRouter(16, 4, 1, expert_bias=True, bias_update_rate=0.1)
+    with torch.no_grad():
+        router.weight.zero_()
+        router.weight[2, 0] = 5.0
+    x = torch.randn(64, 16).abs()  # positive feature 0: expert 2 wins every token
+    out = router(x)
+    assert (out.topk_idx == 2).all()
+    load = router.update_expert_bias()
+    assert torch.equal(load, torch.tensor([0.0, 0.0, 64.0, 0.0]))
+    torch.testing.assert_close(router.expert_bias, torch.tensor([0.1, 0.1, -0.1, 0.1]))
+    assert router.expert_load.sum() == 0
+    router.eval()
+    router(x)
+    assert router.expert_load.sum() == 0, "the load is only counted in training mode"
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_router_aux_loss(score_func):
+    torch.manual_seed(0)
+    router = TopKRouter(16, 8, 2, score_func=score_func, aux_loss_coef=0.01)
+    x = torch.randn(50, 16)
+    out = router(x)
+    probs = out.scores / out.scores.sum(-1, keepdim=True)
+    f = torch.bincount(out.topk_idx.flatten(), minlength=8).float() / (50 * 2)
+    expected = 0.01 * 8 * (f * probs.mean(0)).sum()
+    torch.testing.assert_close(out.aux_loss, expected)
+    out.aux_loss.backward()
+    assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+
+
+def test_router_aux_loss_is_coef_when_balanced():
+    router = TopKRouter(4, 4, 1, aux_loss_coef=0.5)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(4) * 10)
+    out = router(torch.eye(4))  # token t picks expert t; scores near one-hot
+    assert torch.equal(out.topk_idx.flatten(), torch.arange(4))
+    torch.testing.assert_close(out.aux_loss, torch.tensor(0.5))
+
+
+# ---- experts -----------------------------------------------------------------------------
+
+
+def _zones(counts, align, rows, hidden, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    padded = [(c + align - 1) // align * align for c in counts]
+    x = torch.zeros(rows, hidden, dtype=dtype)
+    start = 0
+    for c, p in zip(counts, padded):
+        x[start : start + c] = torch.randn(c, hidden, generator=g).to(dtype)
+        start += p
+    return x, torch.tensor(padded, dtype=torch.int32)
+
+
+IMPLS = ["loop"] + (["grouped_mm"] if hasattr(torch, "_grouped_mm") else [])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_experts_match_per_zone_reference(impl):
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 16, 24, impl=impl)
+    x, counts = _zones([5, 0, 9, 3], 8, 48, 16, torch.float32)
+    x.requires_grad_(True)
+    y = experts(x, counts)
+    ref_w = [p.detach().clone().requires_grad_(True) for p in (experts.w_gate, experts.w_up, experts.w_down)]
+    x_ref = x.detach().clone().requires_grad_(True)
+    ref = reference_experts(x_ref, counts, *ref_w)
+    torch.testing.assert_close(y, ref, **F32)
+    assert y[int(counts.sum()) :].abs().max() == 0, "rows after the last zone must be zero"
+    g = torch.randn_like(y)
+    y.backward(g)
+    ref.backward(g)
+    torch.testing.assert_close(x.grad, x_ref.grad, **F32)
+    for p, r in zip((experts.w_gate, experts.w_up, experts.w_down), ref_w):
+        torch.testing.assert_close(p.grad, r.grad, **F32)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm is not in this torch")
+def test_experts_grouped_mm_bfloat16_matches_loop():
+    torch.manual_seed(0)
+    loop = GroupedExperts(3, 16, 32, impl="loop")
+    gmm = GroupedExperts(3, 16, 32, impl="grouped_mm", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for a, b in zip(gmm.parameters(), loop.parameters()):
+            a.copy_(b)
+    x, counts = _zones([16, 32, 0], 16, 64, 16, torch.float32)
+    torch.testing.assert_close(
+        gmm(x.bfloat16(), counts).float(), loop(x, counts), atol=2e-2, rtol=2e-2
+    )
+
+
+def test_experts_auto_is_loop_on_cpu():
+    experts = GroupedExperts(2, 16, 16)
+    assert experts.resolved_impl(torch.device("cpu"), torch.bfloat16) == "loop"
+    assert MoE(16, 16, 2, 1).zone_alignment(torch.device("cpu"), torch.float32) == 1
+
+
+# ---- EP size 1 (local permutation) ---------------------------------------------------------
+
+LAYER_CONFIGS = {
+    "softmax": dict(),
+    "softmax-aligned-shared": dict(alignment=8, shared_expert_ffn_hidden=12),
+    "sigmoid-bias-scaled": dict(score_func="sigmoid", expert_bias=True, route_scale=2.5),
+}
+
+
+def _grads(module):
+    return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("config", sorted(LAYER_CONFIGS))
+def test_local_moe_matches_dense_reference(config):
+    moe = make_moe(**LAYER_CONFIGS[config])
+    if moe.router.expert_bias is not None:
+        moe.router.expert_bias.copy_(torch.linspace(-0.2, 0.2, 8))
+    ref = copy.deepcopy(moe)
+    x = torch.randn(3, 7, 16, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    y = moe(x)
+    y_ref = reference_moe(ref, x_ref)
+    assert y.shape == x.shape
+    torch.testing.assert_close(y, y_ref, **F32)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    torch.testing.assert_close(x.grad, x_ref.grad, **F32)
+    grads, ref_grads = _grads(moe), _grads(ref)
+    assert grads.keys() == ref_grads.keys() and "router.weight" in grads
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], **F32, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_local_moe_returns_aux_loss():
+    moe = make_moe(aux_loss_coef=0.1)
+    y, aux = moe(torch.randn(10, 16), return_aux_loss=True)
+    assert aux is moe.aux_loss and aux.dim() == 0 and aux > 0
+
+
+def test_local_moe_compiles_fullgraph():
+    moe = make_moe(alignment=4, shared_expert_ffn_hidden=8, aux_loss_coef=0.01)
+    ref = copy.deepcopy(moe)
+    compiled = fresh_compile(moe)
+    x = torch.randn(24, 16, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    y, aux = compiled(x, return_aux_loss=True)
+    y_ref, aux_ref = ref(x_ref, return_aux_loss=True)
+    torch.testing.assert_close(y, y_ref, **F32)
+    torch.testing.assert_close(aux, aux_ref, **F32)
+    (y.square().sum() + aux).backward()
+    (y_ref.square().sum() + aux_ref).backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, **F32)
+    ref_grads = _grads(ref)
+    for name, grad in _grads(moe).items():
+        torch.testing.assert_close(grad, ref_grads[name], **F32, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_enable_expert_parallel_checks_the_shard():
+    class FakeGroup:
+        num_experts, num_local_experts = 8, 4
+
+    moe = make_moe()
+    with pytest.raises(ValueError, match="holds 8 experts"):
+        moe.enable_expert_parallel(FakeGroup())
+    FakeGroup.num_experts = 6
+    with pytest.raises(ValueError, match="num_experts=6"):
+        moe.enable_expert_parallel(FakeGroup())
+
+
+# ---- multi-process harness --------------------------------------------------------------
+
+
+def _launch(worker: str, nprocs: int, timeout: float = 150.0, device: str = "cpu", **kwargs) -> None:
+    """Runs ``worker(**kwargs)`` of this file on ``nprocs`` ranks; fails on any rank's error.
+
+    ``device="cpu"``: gloo ranks; ``"cuda"``: NCCL ranks, one GPU each.
+
+    Each rank is a fresh interpreter (``python tests/test_moe.py <worker>``) in its own
+    session; ranks meet through a FileStore in a temporary directory. A rank that
+    fails makes the launch kill the others at once, and the launch never waits longer
+    than ``timeout``.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ)
+        env.update(
+            PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+            OMP_NUM_THREADS="1",
+            WORLD_SIZE=str(nprocs),
+            TE_EP_TEST_INIT=f"file://{tmp}/store",
+            TE_EP_TEST_TMP=tmp,
+            TE_EP_TEST_ARGS=json.dumps(kwargs),
+            TE_EP_TEST_DEVICE=device,
+            NCCL_NVLS_ENABLE="0",
+            TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+            NVSHMEM_DISABLE_NVLS="1",
+        )
+        logs, procs = [], []
+        for rank in range(nprocs):
+            log = open(os.path.join(tmp, f"rank{rank}.log"), "w+")
+            logs.append(log)
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, os.path.abspath(__file__), worker],
+                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+        deadline = time.monotonic() + timeout
+        failed = timed_out = False
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs):
+                failed = True
+                break
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            time.sleep(0.05)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        report = []
+        for rank, (p, log) in enumerate(zip(procs, logs)):
+            log.seek(0)
+            report.append(f"--- rank {rank} (exit {p.returncode}) ---\n{log.read()[-4000:]}")
+            log.close()
+        if timed_out:
+            pytest.fail(f"{worker} on {nprocs} ranks timed out after {timeout}s\n" + "\n".join(report))
+        if failed or any(p.returncode != 0 for p in procs):
+            pytest.fail(f"{worker} on {nprocs} ranks failed\n" + "\n".join(report))
+
+
+def _worker_main(name: str) -> None:
+    torch.set_num_threads(1)
+    cuda = os.environ.get("TE_EP_TEST_DEVICE") == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=os.environ["TE_EP_TEST_INIT"],
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
+    try:
+        globals()[name](**json.loads(os.environ["TE_EP_TEST_ARGS"]))
+        from te_ep_torch.parallel import shutdown_ep_groups
+
+        shutdown_ep_groups()
+        dist.barrier()
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)
+    dist.destroy_process_group()
+    print(f"rank {dist.get_rank() if dist.is_initialized() else os.environ['RANK']}: ok", flush=True)
+    os._exit(0)
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+# ---- expert parallelism vs dense reference ----------------------------------------------
+
+
+def _worker_ep_vs_dense(config: str, dtype: str = "float32") -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from te_ep_torch.parallel import ExpertParallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device, dt = _device(), getattr(torch, dtype)
+    moe = make_moe(seed=1, dtype=dt, **LAYER_CONFIGS[config]).to(device)
+    if moe.router.expert_bias is not None:
+        moe.router.expert_bias.copy_(torch.linspace(-0.2, 0.2, 8))
+    ref = copy.deepcopy(moe)
+    # Uneven token counts per rank; the same global batch everywhere.
+    counts = [6 + 3 * r for r in range(world)]
+    g = torch.Generator().manual_seed(7)
+    x_all = torch.randn(sum(counts), 16, generator=g).to(device, dt)
+    grad_all = torch.randn(sum(counts), 16, generator=g).to(device, dt)
+    lo, hi = sum(counts[:rank]), sum(counts[: rank + 1])
+
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
+    parallelize_module(moe, mesh, ExpertParallel(max_tokens_per_rank=max(counts), backend=_backend()))
+
+    e_local = 8 // world
+    for name in ("w_gate", "w_up", "w_down"):
+        p = getattr(moe.experts, name)
+        assert isinstance(p, DTensor) and p.placements == (Shard(0),), (name, type(p))
+        assert p.shape == getattr(ref.experts, name).shape and p.to_local().shape[0] == e_local
+        torch.testing.assert_close(p.to_local(), getattr(ref.experts, name)[rank * e_local : (rank + 1) * e_local])
+    assert not isinstance(moe.router.weight, DTensor)
+    assert moe.ep_size == world
+    allowed = ("reference",) if device.type == "cpu" else ("reference", "nccl_ep")
+    assert moe.ep_group.backend in allowed, moe.ep_group.backend
+    print(f"rank {rank}: backend {moe.ep_group.backend}, experts {moe.experts.resolved_impl(device, dt)}", flush=True)
+
+    x = x_all[lo:hi].clone().requires_grad_(True)
+    y = moe(x)
+    y.backward(grad_all[lo:hi])
+
+    x_ref = x_all.clone().requires_grad_(True)
+    y_ref = reference_moe(ref, x_ref)
+    y_ref.backward(grad_all)
+
+    assert_close(y, y_ref[lo:hi].detach(), "output", dt)
+    assert_close(x.grad, x_ref.grad[lo:hi], "input grad", dt)
+    for name, p in moe.named_parameters():
+        ref_grad = dict(ref.named_parameters())[name].grad
+        if isinstance(p, DTensor):
+            # Expert shard: its local backward already sums the losses of all ranks' tokens.
+            assert_close(p.grad.to_local(), ref_grad[rank * e_local : (rank + 1) * e_local], name, dt)
+        else:
+            grad = p.grad.clone()
+            dist.all_reduce(grad)
+            assert_close(grad, ref_grad, name, dt)
+
+
+@pytest.mark.parametrize(
+    "nprocs,config", [(2, "softmax"), (4, "softmax-aligned-shared"), (4, "sigmoid-bias-scaled")]
+)
+def test_expert_parallel_matches_dense(nprocs, config):
+    _launch("_worker_ep_vs_dense", nprocs, config=config)
+
+
+def _need_gpus(n: int) -> None:
+    if torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} CUDA GPUs, found {torch.cuda.device_count()}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nprocs", [2, 4])
+@pytest.mark.parametrize("config,dtype", [("softmax-aligned-shared", "float32"), ("sigmoid-bias-scaled", "bfloat16")])
+def test_expert_parallel_matches_dense_gpu(nprocs, config, dtype):
+    _need_gpus(nprocs)
+    _launch("_worker_ep_vs_dense", nprocs, device="cuda", config=config, dtype=dtype)
+
+
+# ---- FSDP2 x EP gradients -------------------------------------------------------------------
+
+
+class TinyModel(torch.nn.Module):
+    """Dense layer -> MoE -> dense layer, enough to have both kinds of parameters."""
+
+    def __init__(self, seed: int, **moe_kw):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = torch.nn.Linear(16, 16)
+        self.moe = MoE(16, 24, 8, 2, **moe_kw)
+        self.out = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.moe(torch.tanh(self.inp(x)))))
+
+
+def _loss(model, x, target):
+    out = model(x)
+    return F.mse_loss(out, target) + model.moe.aux_loss, out
+
+
+def _worker_fsdp_grads(dp: int, ep: int) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from te_ep_torch.parallel import init_moe_mesh, parallelize_moe_model
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = _device()
+    moe_kw = dict(aux_loss_coef=0.05, shared_expert_ffn_hidden=8)
+    model = TinyModel(3, **moe_kw).to(device)
+    ref = copy.deepcopy(model)
+    tokens = 10
+    g = torch.Generator().manual_seed(11)
+    x_all = torch.randn(world * tokens, 16, generator=g).to(device)
+    t_all = torch.randn(world * tokens, 4, generator=g).to(device)
+
+    mesh = init_moe_mesh(device.type, dp=dp, ep=ep)
+    parallelize_moe_model(model, mesh, max_tokens_per_rank=tokens, backend=_backend(), blocks=[model.moe])
+    w = model.moe.experts.w_gate
+    assert isinstance(w, DTensor) and w.device_mesh.mesh_dim_names == ("dp", "ep"), w
+    assert [type(p).__name__ + str(getattr(p, "dim", "")) for p in w.placements] == ["Shard1", "Shard0"]
+    assert isinstance(model.inp.weight, DTensor) and model.inp.weight.device_mesh.size() == world
+
+    sl = slice(rank * tokens, (rank + 1) * tokens)
+    loss, out = _loss(model, x_all[sl], t_all[sl])
+    loss.backward()
+    ref_loss, ref_out = _loss(ref, x_all, t_all)
+    ref_loss.backward()
+
+    assert_close(out, ref_out[sl].detach(), "output")
+    mean_loss = loss.detach().clone()
+    dist.all_reduce(mean_loss)
+    assert_close(mean_loss / world, ref_loss.detach(), "loss")
+    ref_params = dict(ref.named_parameters())
+    names = [n for n, _ in model.named_parameters()]
+    assert sorted(names) == sorted(ref_params), (names, list(ref_params))
+    for name, p in model.named_parameters():
+        assert_close(_full(p.grad), ref_params[name].grad, name)
+
+
+@pytest.mark.parametrize("dp,ep", [(2, 2), (1, 4)])
+def test_fsdp_expert_parallel_gradients_equal_unsharded(dp, ep):
+    _launch("_worker_fsdp_grads", dp * ep, dp=dp, ep=ep)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dp,ep", [(2, 2), (1, 4), (1, 2)])
+def test_fsdp_expert_parallel_gradients_equal_unsharded_gpu(dp, ep):
+    _need_gpus(dp * ep)
+    _launch("_worker_fsdp_grads", dp * ep, device="cuda", dp=dp, ep=ep)
+
+
+# ---- distributed checkpoint -------------------------------------------------------------------
+
+
+def _build_parallel(seed: int, dp: int, ep: int, lr: float = 0.0):
+    from te_ep_torch.parallel import init_moe_mesh, parallelize_moe_model
+
+    model = TinyModel(seed, expert_bias=True, score_func="sigmoid")
+    mesh = init_moe_mesh("cpu", dp=dp, ep=ep)
+    parallelize_moe_model(model, mesh, max_tokens_per_rank=8, backend="reference")
+    return model, torch.optim.Adam(model.parameters(), lr=lr or 1e-2)
+
+
+def _full_state(model, optim):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    out = {f"model.{k}": _full(v).clone() for k, v in get_model_state_dict(model).items()}
+    for pname, state in get_optimizer_state_dict(model, optim)["state"].items():
+        for k, v in state.items():
+            out[f"optim.{pname}.{k}"] = _full(v).clone()
+    return out
+
+
+def _train_step(model, optim, seed):
+    g = torch.Generator().manual_seed(seed + dist.get_rank())
+    loss = model(torch.randn(8, 16, generator=g)).square().mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    model.moe.update_expert_bias()
+
+
+def _worker_dcp(layouts) -> None:
+    from te_ep_torch.parallel import load_checkpoint, save_checkpoint
+
+    for i, ((dp_a, ep_a), (dp_b, ep_b)) in enumerate(layouts):
+        path = os.path.join(os.environ["TE_EP_TEST_TMP"], f"ckpt{i}")
+        a, opt_a = _build_parallel(10 + i, dp_a, ep_a)
+        _train_step(a, opt_a, seed=i)  # non-trivial optimizer state and expert bias
+        assert a.moe.router.expert_bias.abs().sum() > 0
+        save_checkpoint(path, a, opt_a)
+        expected = _full_state(a, opt_a)
+
+        b, opt_b = _build_parallel(20 + i, dp_b, ep_b)
+        _train_step(b, opt_b, seed=100 + i)
+        assert any(not torch.equal(v, expected[k]) for k, v in _full_state(b, opt_b).items())
+        load_checkpoint(path, b, opt_b)
+        got = _full_state(b, opt_b)
+        assert got.keys() == expected.keys(), sorted(set(got) ^ set(expected))
+        for k in expected:
+            torch.testing.assert_close(got[k], expected[k], atol=0, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
+        # Same weights, same tokens: same outputs under both layouts.
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(dist.get_rank()))
+        torch.testing.assert_close(b(x), a(x), **F32)
+        # And training goes on identically.
+        _train_step(a, opt_a, seed=1000)
+        _train_step(b, opt_b, seed=1000)
+        a_state = _full_state(a, opt_a)
+        for k, v in _full_state(b, opt_b).items():
+            torch.testing.assert_close(v, a_state[k], atol=1e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_dcp_round_trip_across_ep_sizes():
+    # EP=4 -> EP=2 x dp 2, and EP=2 x dp 2 -> EP=4.
+    _launch("_worker_dcp", 4, layouts=[[(1, 4), (2, 2)], [(2, 2), (1, 4)]])
+
+
+def test_dcp_round_trip_ep2_to_ep1():
+    # EP=2 -> dp 2 (EP=1: every rank holds all experts).
+    _launch("_worker_dcp", 2, layouts=[[(1, 2), (2, 1)]])
+
+
+# ---- compile with expert parallelism ----------------------------------------------------------
+
+
+def _worker_compile(dtype: str = "float32") -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from te_ep_torch.parallel import ExpertParallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device, dt = _device(), getattr(torch, dtype)
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
+    models = []
+    for _ in range(2):
+        # alignment None: 16 rows where the experts run torch._grouped_mm (CUDA bf16), else 1.
+        moe = make_moe(seed=5, shared_expert_ffn_hidden=8, aux_loss_coef=0.01, dtype=dt).to(device)
+        parallelize_module(moe, mesh, ExpertParallel(max_tokens_per_rank=12, backend=_backend()))
+        moe.router.process_group = dist.group.WORLD  # global aux loss: a functional all-reduce in the graph
+        models.append(moe)
+    eager, to_compile = models
+    compiled = fresh_compile(to_compile)
+    results = []
+    for model in (eager, compiled):
+        for step in range(2):  # the second step reuses the handles and the compiled graph
+            x = torch.randn(12, 16, generator=torch.Generator().manual_seed(rank * 10 + step)).to(device, dt)
+            x.requires_grad_(True)
+            y, aux = model(x, return_aux_loss=True)
+            (y.square().sum() + aux).backward()
+            results.append((y.detach(), x.grad))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, dict(torch._dynamo.utils.counters["stats"])
+    for (y_e, gx_e), (y_c, gx_c) in zip(results[:2], results[2:]):
+        assert_close(y_c, y_e, "output", dt)
+        assert_close(gx_c, gx_e, "input grad", dt)
+    for (name, p_e), (_, p_c) in zip(eager.named_parameters(), to_compile.named_parameters()):
+        g_e, g_c = p_e.grad, p_c.grad
+        if isinstance(g_e, DTensor):
+            g_e, g_c = g_e.to_local(), g_c.to_local()
+        assert_close(g_c, g_e, name, g_e.dtype)
+
+
+def test_compile_fullgraph_with_expert_parallel():
+    _launch("_worker_compile", 2, timeout=240)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compile_fullgraph_with_expert_parallel_gpu(dtype):
+    _need_gpus(2)
+    _launch("_worker_compile", 2, timeout=400, device="cuda", dtype=dtype)
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1])
