@@ -14,6 +14,18 @@ from . import ops
 from .autograd import DispatchOutput, ep_combine, ep_dispatch
 from .group import BACKENDS, EpGroup, EpHandle, HandleConfig
 from . import permutation
+from . import moe, parallel
+from .moe import GroupedExperts, MoE, RouterOutput, SwiGLU, TopKRouter
+from .parallel import (
+    ExpertParallel,
+    apply_fsdp,
+    ep_group_for,
+    init_moe_mesh,
+    load_checkpoint,
+    parallelize_moe_model,
+    save_checkpoint,
+    shutdown_ep_groups,
+)
 from .permutation import (
     PermuteMap,
     permute,
@@ -40,4 +52,19 @@ __all__ = [
     "unpermute",
     "sort_chunks_by_index",
     "sort_chunks_by_map",
+    "moe",
+    "parallel",
+    "MoE",
+    "TopKRouter",
+    "RouterOutput",
+    "GroupedExperts",
+    "SwiGLU",
+    "ExpertParallel",
+    "apply_fsdp",
+    "parallelize_moe_model",
+    "init_moe_mesh",
+    "save_checkpoint",
+    "load_checkpoint",
+    "ep_group_for",
+    "shutdown_ep_groups",
 ]
