@@ -2,6 +2,7 @@
 
 #if TE_EP_WITH_CUDA && TE_EP_WITH_NCCL_EP
 
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -125,6 +126,22 @@ Communicator::~Communicator() {
   api().CommDestroy(comm_);
 }
 
+namespace {
+
+// TE_EP_NCCL_EP_SMS: a positive SM count, or unset for NCCL EP's default.
+int sms_from_env() {
+  const char* value = std::getenv("TE_EP_NCCL_EP_SMS");
+  if (value == nullptr || *value == '\0') return NCCL_EP_AUTO;
+  char* end = nullptr;
+  const long sms = std::strtol(value, &end, 10);
+  if (*end != '\0' || sms <= 0 || sms > 1024) {
+    throw std::invalid_argument(std::string("TE_EP_NCCL_EP_SMS must be a positive SM count, got '") + value + "'");
+  }
+  return static_cast<int>(sms);
+}
+
+}  // namespace
+
 Group::Group(std::shared_ptr<Communicator> comm, const GroupConfig& config) : comm_(std::move(comm)), config_(config) {
   auto cfg = make_struct<ncclEpGroupConfig_t>();
   cfg.version = NCCL_EP_API_VERSION;
@@ -138,7 +155,9 @@ Group::Group(std::shared_ptr<Communicator> comm, const GroupConfig& config) : co
   cfg.rdma_buffer_size = NCCL_EP_AUTO;
   cfg.num_qp_per_rank = NCCL_EP_AUTO;
   cfg.num_channels = NCCL_EP_AUTO;
-  cfg.max_num_sms = NCCL_EP_AUTO;
+  // SMs the EP kernels may occupy: more move tokens faster but leave fewer
+  // for overlapped compute, so it is the user's trade (docs/nccl_ep.md).
+  cfg.max_num_sms = static_cast<unsigned int>(sms_from_env());
   // TRAP (the default) aborts the process from the device on a capacity
   // overflow, which no rank can turn into an error. DROP keeps the process
   // alive and reports the pre-drop total, from which we raise (see
