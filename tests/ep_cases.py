@@ -305,7 +305,7 @@ def expect_raises(fn: Callable, *substrings: str, exc=RuntimeError) -> str:
 def run_exact_step(ctx, group, handle, step: Step, ep_rank: int, W: int, salt: int = 0, tag: str = "") -> None:
     """One public-API step checked exactly (see module docstring) on this rank."""
     dev = torch.device(ctx.device)
-    dtype, H, K = step.torch_dtype(), step.hidden, step.top_k
+    dtype, H = step.torch_dtype(), step.hidden
     idx_all, w_all = all_inputs(step, W, salt)
     T = step.num_tokens(ep_rank)
     cap = handle.config.capacity
@@ -934,7 +934,7 @@ def case_capacity_overflow(ctx) -> None:
 
 
 def case_destroyed_handle(ctx) -> None:
-    dev, W = torch.device(ctx.device), ctx.world_size
+    W = ctx.world_size
     group = make_group(ctx, ERROR_STEP)
     mk = lambda: group.create_handle(top_k=ERROR_STEP.top_k, hidden=ERROR_STEP.hidden, dtype=ERROR_STEP.torch_dtype())
     # destroyed on every rank

@@ -332,7 +332,8 @@ TORCH_LIBRARY_IMPL(te_ep, CompositeExplicitAutograd, m) {
   m.impl("live_handles", &live_handles);
 }
 
-TORCH_LIBRARY_IMPL(te_ep, CPU, m) {
+// The adapters are device-agnostic: the handle's backend decides what runs.
+static void register_comm_ops(torch::Library& m) {
   m.impl("prepare", &prepare);
   m.impl("dispatch", &dispatch);
   m.impl("combine", &combine);
@@ -340,12 +341,8 @@ TORCH_LIBRARY_IMPL(te_ep, CPU, m) {
   m.impl("combine_bwd", &combine_bwd);
 }
 
-TORCH_LIBRARY_IMPL(te_ep, CUDA, m) {
-  m.impl("prepare", &prepare);
-  m.impl("dispatch", &dispatch);
-  m.impl("combine", &combine);
-  m.impl("dispatch_bwd", &dispatch_bwd);
-  m.impl("combine_bwd", &combine_bwd);
-}
+TORCH_LIBRARY_IMPL(te_ep, CPU, m) { register_comm_ops(m); }
+
+TORCH_LIBRARY_IMPL(te_ep, CUDA, m) { register_comm_ops(m); }
 
 }  // namespace te_ep
