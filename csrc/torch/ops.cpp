@@ -138,6 +138,33 @@ void check_prepared(ArgCheck& check, HandleEntry& h, const at::Tensor& handle_me
   check.size(t, name, 0, prepared, "tokens of the last prepare");
 }
 
+
+// Rows in token order: [num_tokens, hidden], num_tokens from the last prepare.
+void check_token_rows(ArgCheck& check, HandleEntry& h, const at::Tensor& handle_mem, const at::Tensor& t,
+                      const char* name) {
+  check.tensor(t, name, 2, "[num_tokens, hidden]");
+  check.dtype(t, name, h.cfg.dtype, " (the handle's dtype)");
+  check.size(t, name, 1, h.cfg.hidden, "the handle's hidden");
+  check_prepared(check, h, handle_mem, t, name);
+}
+
+// Rows of the receive buffer: [capacity, hidden].
+void check_recv_rows(ArgCheck& check, const HandleConfig& cfg, const at::Tensor& t, const char* name) {
+  check.tensor(t, name, 2, "[capacity, hidden]");
+  check.dtype(t, name, cfg.dtype, " (the handle's dtype)");
+  check.size(t, name, 0, cfg.capacity, "the handle's capacity");
+  check.size(t, name, 1, cfg.hidden, "the handle's hidden");
+}
+
+// The num_tokens argument of the ops that return to token order.
+void check_num_tokens(ArgCheck& check, HandleEntry& h, const at::Tensor& handle_mem, int64_t num_tokens) {
+  const int64_t prepared = h.backend->prepared_num_tokens(handle_mem);
+  check.require(prepared >= 0, "the handle has no routing: call prepare (or ep_dispatch) first");
+  check.require(
+      !check.ok() || num_tokens == prepared, "num_tokens must be ", prepared, " (tokens of the last prepare), got ",
+      num_tokens);
+}
+
 std::tuple<int64_t, at::Tensor> create_handle(
     c10::string_view group_name, c10::string_view backend, int64_t num_experts, int64_t max_tokens_per_rank,
     int64_t top_k, int64_t hidden, int64_t capacity, int64_t alignment, at::ScalarType dtype, at::Device device) {
@@ -252,10 +279,7 @@ std::tuple<at::Tensor, at::Tensor> dispatch(
   ArgCheck check("dispatch", cfg);
   check_common(check, *h, handle_mem, group_name);
   check.require(capacity == cfg.capacity, "capacity must be ", cfg.capacity, " (the handle's), got ", capacity);
-  check.tensor(tokens, "tokens", 2, "[num_tokens, hidden]");
-  check.dtype(tokens, "tokens", cfg.dtype, " (the handle's dtype)");
-  check.size(tokens, "tokens", 1, cfg.hidden, "the handle's hidden");
-  check_prepared(check, *h, handle_mem, tokens, "tokens");
+  check_token_rows(check, *h, handle_mem, tokens, "tokens");
   check.tensor(topk_weights, "topk_weights", 2, "[num_tokens, top_k]");
   check.dtype(topk_weights, "topk_weights", at::kFloat, "");
   check.size(topk_weights, "topk_weights", 0, check.ok() ? tokens.size(0) : 0, "num_tokens");
@@ -271,15 +295,8 @@ at::Tensor combine(
   const HandleConfig& cfg = h->cfg;
   ArgCheck check("combine", cfg);
   check_common(check, *h, handle_mem, group_name);
-  check.tensor(expert_out, "expert_out", 2, "[capacity, hidden]");
-  check.dtype(expert_out, "expert_out", cfg.dtype, " (the handle's dtype)");
-  check.size(expert_out, "expert_out", 0, cfg.capacity, "the handle's capacity");
-  check.size(expert_out, "expert_out", 1, cfg.hidden, "the handle's hidden");
-  const int64_t prepared = h->backend->prepared_num_tokens(handle_mem);
-  check.require(prepared >= 0, "the handle has no routing: call prepare (or ep_dispatch) first");
-  check.require(
-      !check.ok() || num_tokens == prepared, "num_tokens must be ", prepared, " (tokens of the last prepare), got ",
-      num_tokens);
+  check_recv_rows(check, cfg, expert_out, "expert_out");
+  check_num_tokens(check, *h, handle_mem, num_tokens);
   h->backend->agree_on_errors("combine", check.error());
   return h->backend->combine(expert_out, handle_mem, num_tokens);
 }
@@ -292,18 +309,11 @@ std::tuple<at::Tensor, at::Tensor> dispatch_bwd(
   ArgCheck check("dispatch_bwd", cfg);
   check_common(check, *h, handle_mem, group_name);
   check.require(top_k == cfg.top_k, "top_k must be ", cfg.top_k, " (the handle's), got ", top_k);
-  check.tensor(grad_recv_tokens, "grad_recv_tokens", 2, "[capacity, hidden]");
-  check.dtype(grad_recv_tokens, "grad_recv_tokens", cfg.dtype, " (the handle's dtype)");
-  check.size(grad_recv_tokens, "grad_recv_tokens", 0, cfg.capacity, "the handle's capacity");
-  check.size(grad_recv_tokens, "grad_recv_tokens", 1, cfg.hidden, "the handle's hidden");
+  check_recv_rows(check, cfg, grad_recv_tokens, "grad_recv_tokens");
   check.tensor(grad_recv_weights, "grad_recv_weights", 1, "[capacity]");
   check.dtype(grad_recv_weights, "grad_recv_weights", at::kFloat, "");
   check.size(grad_recv_weights, "grad_recv_weights", 0, cfg.capacity, "the handle's capacity");
-  const int64_t prepared = h->backend->prepared_num_tokens(handle_mem);
-  check.require(prepared >= 0, "the handle has no routing: call prepare (or ep_dispatch) first");
-  check.require(
-      !check.ok() || num_tokens == prepared, "num_tokens must be ", prepared, " (tokens of the last prepare), got ",
-      num_tokens);
+  check_num_tokens(check, *h, handle_mem, num_tokens);
   h->backend->agree_on_errors("dispatch_bwd", check.error());
   return h->backend->dispatch_bwd(grad_recv_tokens, grad_recv_weights, handle_mem, num_tokens);
 }
@@ -316,10 +326,7 @@ at::Tensor combine_bwd(
   ArgCheck check("combine_bwd", cfg);
   check_common(check, *h, handle_mem, group_name);
   check.require(capacity == cfg.capacity, "capacity must be ", cfg.capacity, " (the handle's), got ", capacity);
-  check.tensor(grad_out, "grad_out", 2, "[num_tokens, hidden]");
-  check.dtype(grad_out, "grad_out", cfg.dtype, " (the handle's dtype)");
-  check.size(grad_out, "grad_out", 1, cfg.hidden, "the handle's hidden");
-  check_prepared(check, *h, handle_mem, grad_out, "grad_out");
+  check_token_rows(check, *h, handle_mem, grad_out, "grad_out");
   h->backend->agree_on_errors("combine_bwd", check.error());
   return h->backend->combine_bwd(grad_out, handle_mem);
 }
