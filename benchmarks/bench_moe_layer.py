@@ -76,7 +76,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import te_ep_torch as te  # noqa: E402
-from moe_blocks import GEMMS, MoEConfig, NativeMoEBlock, TeEpMoEBlock, copy_parameters  # noqa: E402
+from moe_blocks import GEMMS, MoEConfig, NativeMoEBlock, TeEpMoEBlock, copy_parameters, fwd_bwd  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Relative L2 error allowed between the two blocks (outputs and every gradient).
@@ -191,19 +191,6 @@ def fit_capacity(block: NativeMoEBlock, x: torch.Tensor, args, group: te.EpGroup
     need = int(((counts + a - 1) // a * a).view(group.ep_size, -1).sum(1).max())
     # nccl_ep wants capacity >= max_tokens_per_rank.
     return max(args.tokens, math.ceil(need * args.capacity_headroom / a) * a)
-
-
-def fwd_bwd(block: torch.nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> Dict[str, torch.Tensor]:
-    """One step; returns the output and every gradient (None -> zeros)."""
-    for p in block.parameters():
-        p.grad = None
-    leaf = x.detach().requires_grad_()
-    out = block(leaf)
-    out.backward(grad_out)
-    result = {"output": out.detach(), "grad x": leaf.grad}
-    for name, p in block.named_parameters():
-        result[f"grad {name}"] = p.grad if p.grad is not None else torch.zeros_like(p)
-    return result
 
 
 def compare(ref: Dict[str, torch.Tensor], got: Dict[str, torch.Tensor], device) -> Dict[str, tuple]:

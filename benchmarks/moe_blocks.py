@@ -27,7 +27,7 @@ through a loop over the local experts (host-side sizes; any device and dtype).
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ from torch import Tensor
 import te_ep_torch as te
 
 __all__ = [
+    "fwd_bwd",
     "GEMMS",
     "MoEConfig",
     "NativeMoEBlock",
@@ -335,3 +336,16 @@ def copy_parameters(src: torch.nn.Module, dst: torch.nn.Module) -> None:
         if p.shape != theirs[name].shape:
             raise ValueError(f"{name}: shape {list(theirs[name].shape)} vs {list(p.shape)}")
         p.copy_(theirs[name])
+
+
+def fwd_bwd(block: torch.nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """One step; returns the output and every gradient (None -> zeros)."""
+    for p in block.parameters():
+        p.grad = None
+    leaf = x.detach().requires_grad_()
+    out = block(leaf)
+    out.backward(grad_out)
+    result = {"output": out.detach(), "grad x": leaf.grad}
+    for name, p in block.named_parameters():
+        result[f"grad {name}"] = p.grad if p.grad is not None else torch.zeros_like(p)
+    return result

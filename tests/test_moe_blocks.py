@@ -35,7 +35,7 @@ if (REPO / "te_ep_torch" / "_C.so").exists():
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import te_ep_torch as te  # noqa: E402
-from moe_blocks import MoEConfig, NativeMoEBlock, TeEpMoEBlock, copy_parameters  # noqa: E402
+from moe_blocks import MoEConfig, NativeMoEBlock, TeEpMoEBlock, copy_parameters, fwd_bwd  # noqa: E402
 
 WORLD = 2
 TIMEOUT_S = 150
@@ -117,18 +117,6 @@ def launch(fn, world: int = WORLD, timeout: float = TIMEOUT_S):
 # ---- what the ranks run -----------------------------------------------------------
 
 
-def _fwd_bwd(block, x, grad_out):
-    for p in block.parameters():
-        p.grad = None
-    leaf = x.detach().requires_grad_()
-    out = block(leaf)
-    out.backward(grad_out)
-    result = {"output": out.detach(), "grad x": leaf.grad}
-    for name, p in block.named_parameters():
-        result[f"grad {name}"] = p.grad if p.grad is not None else torch.zeros_like(p)
-    return result
-
-
 def _dense(block, x, grad_out, rank, world):
     """The layer in float64 on one rank, every expert's weights gathered; expert grads summed over ranks."""
     full = {}
@@ -191,8 +179,8 @@ def _agreement(rank: int, world: int):
         tokens = (t0, t1)[rank]
         x = torch.randn(tokens, HIDDEN, generator=gen).to(dtype)
         grad_out = torch.randn(tokens, HIDDEN, generator=gen).to(dtype)
-        ref = _fwd_bwd(native, x, grad_out)
-        got = _fwd_bwd(te_block, x, grad_out)
+        ref = fwd_bwd(native, x, grad_out)
+        got = fwd_bwd(te_block, x, grad_out)
         dense = _dense(native, x, grad_out, rank, world)
         metrics[case] = {
             "blocks": {q: _rel(got[q], ref[q]) for q in QUANTITIES},
@@ -206,14 +194,14 @@ def _agreement(rank: int, world: int):
     native = NativeMoEBlock(cfg, device="cpu", alignment=4, gemm="loop", seed=3)
     x = torch.randn((0, 30)[rank], HIDDEN, generator=torch.Generator().manual_seed(100 + rank))
     grad_out = torch.randn_like(x)
-    ref, dense = _fwd_bwd(native, x, grad_out), _dense(native, x, grad_out, rank, world)
+    ref, dense = fwd_bwd(native, x, grad_out), _dense(native, x, grad_out, rank, world)
     metrics["native_empty_rank"] = {q: _rel(ref[q], dense[q]) if ref[q].numel() else 0.0 for q in QUANTITIES}
 
     plain = TeEpMoEBlock(cfg, group, alignment=4, gemm="grouped_mm", seed=5)
     poisoned = _PoisonedTail(cfg, group, alignment=4, gemm="grouped_mm", seed=5)
     x = torch.randn(20, HIDDEN, generator=torch.Generator().manual_seed(7 + rank))
     grad_out = torch.randn_like(x)
-    a, b = _fwd_bwd(plain, x, grad_out), _fwd_bwd(poisoned, x, grad_out)
+    a, b = fwd_bwd(plain, x, grad_out), fwd_bwd(poisoned, x, grad_out)
     metrics["poisoned_tail"] = {q: float((a[q] - b[q]).abs().max()) if b[q].isfinite().all() else float("inf")
                                 for q in QUANTITIES}
     metrics["poisoned_tail"]["rows"] = poisoned.poisoned_rows
