@@ -161,8 +161,10 @@ Group::Group(std::shared_ptr<Communicator> comm, const GroupConfig& config) : co
   // TRAP (the default) aborts the process from the device on a capacity
   // overflow, which no rank can turn into an error. DROP keeps the process
   // alive and reports the pre-drop total, from which we raise (see
-  // launch_finish_prepare and docs/nccl_ep.md).
-  cfg.overflow_policy = NCCL_EP_OVERFLOW_DROP;
+  // launch_finish_prepare and docs/nccl_ep.md), but zero-fills the whole
+  // receive buffer on every dispatch. Where no routing can overflow, TRAP
+  // never fires and saves that memset.
+  cfg.overflow_policy = config.can_overflow ? NCCL_EP_OVERFLOW_DROP : NCCL_EP_OVERFLOW_TRAP;
   DeviceScope scope(comm_->device());
   check_nccl(api().EpCreateGroup(&group_, comm_->get(), &cfg), "ncclEpCreateGroup");
 }

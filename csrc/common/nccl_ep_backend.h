@@ -63,6 +63,10 @@ struct GroupConfig {
   int64_t capacity = 0;
   // Widest token row (bytes) of the handles on this group; a multiple of 16.
   int64_t max_token_bytes = 0;
+  // False when capacity holds the worst case of every handle on the group, so
+  // no routing can overflow: NCCL EP then skips the receive-buffer memset that
+  // its DROP overflow policy costs on every dispatch.
+  bool can_overflow = true;
 };
 
 // One ncclEpGroup: NCCL EP's receive budget and staging buffers are sized per

@@ -42,6 +42,28 @@ namespace ne = nccl_ep;
 
 constexpr int64_t kRowAlignmentBytes = 16;
 
+// NCCL EP's high-throughput kernels fetch per-token routing rows of
+// max_dispatch_tokens_per_rank * top_k entries with 16-byte bulk copies and
+// assert that this product is a multiple of 4; per-expert weights likewise
+// need num_experts to be a multiple of 4.
+constexpr int64_t kNcclEpCountMultiple = 4;
+
+// The send budget we give NCCL EP: max_tokens_per_rank rounded up so that
+// the product above is a multiple of 4 for every top_k. A rank still passes
+// at most max_tokens_per_rank tokens; the extra rows are never used.
+int64_t nccl_ep_send_budget(int64_t max_tokens_per_rank) {
+  return (max_tokens_per_rank + kNcclEpCountMultiple - 1) / kNcclEpCountMultiple * kNcclEpCountMultiple;
+}
+
+// Receive rows no routing can exceed (EpGroup.worst_case_capacity): every
+// source token reaches at most min(top_k, local experts) of this rank's
+// experts (NCCL EP merges repeated ids of a row), and each expert's zone
+// pads by less than the alignment.
+int64_t worst_case_rows(const HandleConfig& cfg) {
+  const int64_t local = cfg.num_local_experts();
+  return cfg.ep_size * cfg.max_tokens_per_rank * std::min(cfg.top_k, local) + local * (cfg.alignment - 1);
+}
+
 ne::DType to_dtype(at::ScalarType type) {
   switch (type) {
     case at::kBFloat16:
@@ -129,10 +151,12 @@ struct GroupKey {
   int64_t max_tokens_per_rank;
   int64_t capacity;
   int64_t max_token_bytes;
+  bool can_overflow;
 
   bool operator<(const GroupKey& other) const {
-    return std::tie(num_experts, max_tokens_per_rank, capacity, max_token_bytes) <
-           std::tie(other.num_experts, other.max_tokens_per_rank, other.capacity, other.max_token_bytes);
+    return std::tie(num_experts, max_tokens_per_rank, capacity, max_token_bytes, can_overflow) <
+           std::tie(other.num_experts, other.max_tokens_per_rank, other.capacity, other.max_token_bytes,
+                    other.can_overflow);
   }
 };
 
@@ -175,6 +199,7 @@ class Registry {
       config.max_tokens_per_rank = key.max_tokens_per_rank;
       config.capacity = key.capacity;
       config.max_token_bytes = key.max_token_bytes;
+      config.can_overflow = key.can_overflow;
       group = entry.groups.emplace(key, std::make_shared<ne::Group>(entry.comm, config)).first;
     }
     return group->second;
@@ -479,9 +504,17 @@ std::unique_ptr<Backend> make_nccl_ep_backend(const HandleConfig& cfg) {
   TORCH_CHECK(row_bytes % kRowAlignmentBytes == 0, "te_ep.create_handle: backend 'nccl_ep' moves token rows in "
               "16-byte units, so hidden * element size must be a multiple of 16, got hidden=", cfg.hidden, " (",
               row_bytes, " bytes of ", cfg.dtype, ")");
-  TORCH_CHECK(cfg.capacity >= cfg.max_tokens_per_rank, "te_ep.create_handle: backend 'nccl_ep' needs capacity >= "
-              "max_tokens_per_rank (NCCL EP's receive budget may not be smaller than its send budget), got capacity=",
-              cfg.capacity, " and max_tokens_per_rank=", cfg.max_tokens_per_rank);
+  // NCCL EP moves expert weights with 16-byte TMA copies, one float per expert
+  // of the node, and asserts (aborting the process) when they are misaligned.
+  TORCH_CHECK(cfg.num_experts % kNcclEpCountMultiple == 0, "te_ep.create_handle: backend 'nccl_ep' needs num_experts "
+              "to be a multiple of ", kNcclEpCountMultiple, " (NCCL EP copies routing weights in 16-byte units), got "
+              "num_experts=", cfg.num_experts, "; use backend='reference' for this layer");
+  // NCCL EP's send budget per rank, rounded up (see nccl_ep_send_budget).
+  const int64_t send_budget = nccl_ep_send_budget(cfg.max_tokens_per_rank);
+  TORCH_CHECK(cfg.capacity >= send_budget, "te_ep.create_handle: backend 'nccl_ep' needs capacity >= "
+              "max_tokens_per_rank rounded up to a multiple of ", kNcclEpCountMultiple, " (NCCL EP's receive budget "
+              "may not be smaller than its send budget), got capacity=", cfg.capacity, " and max_tokens_per_rank=",
+              cfg.max_tokens_per_rank, " (rounded: ", send_budget, ")");
   TORCH_CHECK(cfg.capacity <= INT32_MAX && cfg.num_experts <= INT32_MAX && row_bytes <= INT32_MAX,
               "te_ep.create_handle: backend 'nccl_ep' needs capacity, num_experts and hidden row bytes below 2^31, "
               "got capacity=", cfg.capacity, ", num_experts=", cfg.num_experts, ", row bytes=", row_bytes);
@@ -489,7 +522,7 @@ std::unique_ptr<Backend> make_nccl_ep_backend(const HandleConfig& cfg) {
   auto pg = c10d::resolve_process_group(cfg.group_name);
   TORCH_INTERNAL_ASSERT(pg->getSize() == cfg.ep_size && pg->getRank() == cfg.rank);
   c10::cuda::CUDAGuard guard(cfg.device);
-  const GroupKey key{cfg.num_experts, cfg.max_tokens_per_rank, cfg.capacity, row_bytes};
+  const GroupKey key{cfg.num_experts, send_budget, cfg.capacity, row_bytes, cfg.capacity < worst_case_rows(cfg)};
   auto group = registry().group_for(cfg, pg, key);
   return std::make_unique<NcclEpBackend>(cfg, std::move(group), check_routing_requested());
 }

@@ -101,6 +101,10 @@ def test_release_of_an_unknown_group_is_a_noop():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
 def test_old_nccl_is_reported_with_the_fix():
+    # torch.cuda.nccl.version() is the NCCL torch was built with; the runtime
+    # library that nccl_ep loads may be newer (the nccl-ep extra installs one).
+    if AVAILABILITY == "":
+        pytest.skip("nccl_ep is available: the NCCL runtime is new enough")
     if tuple(torch.cuda.nccl.version()) >= _nccl_ep.MIN_NCCL_VERSION:
         pytest.skip("torch's NCCL is new enough")
     if not BUILT or _nccl_ep.nccl_ep_library() is None:
@@ -141,8 +145,8 @@ def world_of_one():
         dist.destroy_process_group()
 
 
-def _create(group_name, *, hidden=256, dtype=torch.bfloat16, capacity=512, max_tokens=64):
-    return OPS.create_handle(group_name, "nccl_ep", 8, max_tokens, 2, hidden, capacity, 1, dtype,
+def _create(group_name, *, hidden=256, dtype=torch.bfloat16, capacity=512, max_tokens=64, num_experts=8):
+    return OPS.create_handle(group_name, "nccl_ep", num_experts, max_tokens, 2, hidden, capacity, 1, dtype,
                              torch.device("cuda", 0))
 
 
@@ -160,3 +164,14 @@ def test_capacity_below_max_tokens_is_rejected(world_of_one):
     _nccl_ep.load()
     with pytest.raises(RuntimeError, match="capacity >= max_tokens_per_rank"):
         _create(world_of_one, capacity=32, max_tokens=64)
+    # NCCL EP's send budget is max_tokens_per_rank rounded up to a multiple of 4.
+    with pytest.raises(RuntimeError, match=r"capacity=9 and max_tokens_per_rank=9 \(rounded: 12\)"):
+        _create(world_of_one, capacity=9, max_tokens=9)
+
+
+@pytest.mark.gpu
+@needs_nccl_ep
+def test_num_experts_must_be_a_multiple_of_4(world_of_one):
+    _nccl_ep.load()
+    with pytest.raises(RuntimeError, match=r"num_experts to be a multiple of 4.*got num_experts=6"):
+        _create(world_of_one, num_experts=6)
