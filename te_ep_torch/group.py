@@ -177,7 +177,11 @@ class EpGroup:
         return handle
 
     def shutdown(self) -> None:
-        """Destroys every handle of the group; the group can't be used afterwards."""
+        """Destroys every handle of the group; the group can't be used afterwards.
+
+        Collective. Destroy CUDA graphs that captured this group's ops first: on the
+        ``nccl_ep`` backend they hold NCCL resources that teardown waits for.
+        """
         if self._closed:
             return
         for handle in list(self._handles.values()):

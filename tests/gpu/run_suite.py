@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Runs the shared multi-rank cases (tests/ep_cases.py) on CUDA with an NCCL process group.
 
-    torchrun --standalone --nproc-per-node=N tests/gpu/run_suite.py --backend nccl_ep|reference [-k SUBSTR]
+    torchrun --standalone --nproc-per-node=N tests/gpu/run_suite.py --backend nccl_ep|reference [-k SUBSTR ...]
 
 Prints one ``PASS <case>`` / ``FAIL <case>: ...`` line per case (rank 0), the
 failing ranks' tracebacks, and a final line ``N passed, M failed``; exits non-zero
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import os
 import sys
 import threading
@@ -39,13 +40,15 @@ import torch.distributed as dist  # noqa: E402
 import ep_cases  # noqa: E402
 from _dist import Ctx  # noqa: E402
 
-GPU_TIMEOUT_FACTOR = 2.0  # the CPU deadlines, stretched for first-call CUDA/NCCL set-up
+# The CPU deadlines, stretched for first-call CUDA/NCCL set-up and NCCL EP's
+# kernel compilation; TE_EP_SUITE_TIMEOUT_FACTOR overrides.
+GPU_TIMEOUT_FACTOR = float(os.environ.get("TE_EP_SUITE_TIMEOUT_FACTOR", "2.0"))
 
 
-def _select(backend: str, world_size: int, pattern: str | None, agreement: str, skipped: list):
+def _select(backend: str, world_size: int, patterns: list | None, agreement: str, skipped: list):
     out = []
     for case in ep_cases.CASES:
-        if pattern and pattern not in case.name:
+        if patterns and not any(p in case.name for p in patterns):
             continue
         if world_size < case.min_world:
             continue
@@ -87,7 +90,9 @@ class _Watchdog:
                 print(f"FAIL {name}: rank {self.rank} raised, and the others did not finish "
                       f"within {seconds:.0f} s:\n{self.pending_error}", flush=True)
             else:
-                print(f"FAIL {name} (hang: not finished on rank {self.rank} after {seconds:.0f} s)", flush=True)
+                print(f"FAIL {name} (hang: not finished on rank {self.rank} after {seconds:.0f} s); stacks:",
+                      flush=True)
+                faulthandler.dump_traceback(all_threads=True)
             print(f"{passed} passed, {failed + 1} failed", flush=True)
             os._exit(1)
 
@@ -104,7 +109,8 @@ class _Watchdog:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", required=True, choices=("nccl_ep", "reference"))
-    ap.add_argument("-k", dest="pattern", default=None, help="run only cases whose name contains this")
+    ap.add_argument("-k", dest="patterns", nargs="+", default=None, metavar="SUBSTR",
+                    help="run only cases whose name contains one of these")
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU instead (to check this runner without GPUs)")
     ap.add_argument("--agreement", choices=("include", "only"), default="include",
                     help="'only': run just the cases that need every rank to raise on one rank's bad input")
@@ -126,7 +132,7 @@ def main() -> int:
     ctx = Ctx(rank=rank, world_size=world_size, device=str(dev), backend=args.backend)
 
     skipped: list = []
-    cases = _select(args.backend, world_size, args.pattern, args.agreement, skipped)
+    cases = _select(args.backend, world_size, args.patterns, args.agreement, skipped)
     if rank == 0:
         for name, why in skipped:
             print(f"SKIP {name}: {why}", flush=True)
