@@ -691,7 +691,9 @@ def _worker_compile(dtype: str = "float32") -> None:
         g_e, g_c = p_e.grad, p_c.grad
         if isinstance(g_e, DTensor):
             g_e, g_c = g_e.to_local(), g_c.to_local()
-        assert_close(g_c, g_e, name, g_e.dtype)
+        # The compute dtype sets the tolerance: the float32 router's gradient flows
+        # back through bfloat16 expert outputs, which inductor rounds differently.
+        assert_close(g_c, g_e, name, dt)
 
 
 def test_compile_fullgraph_with_expert_parallel():
