@@ -28,6 +28,11 @@ destination rank, however many of that rank's experts it goes to.
 same run (one peer copy, cuda:0 -> cuda:1, one direction); all-to-all receives
 from several peers at once, so it can exceed 100%.
 
+``--nccl-ep-env SPEC ...`` times nccl_ep once per environment setting in the
+same run (e.g. ``default TE_EP_NCCL_EP_SMS=32 NCCL_EP_HT_EM_LOCAL_DUP=1``): each
+variable is set while that variant's group is created, when te_ep and NCCL EP
+read it. Each new NCCL EP configuration compiles its kernels on first use.
+
 NVLink multicast is never used: NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 are the defaults.
 """
@@ -44,6 +49,7 @@ for _name, _value in (
     os.environ.setdefault(_name, _value)
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import csv  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
@@ -258,22 +264,63 @@ def fit_capacity(routing: Routing, shape: Shape, world: int, alignment: int, wor
     return max(shape.tokens, math.ceil(int(need.item()) * 1.1) + local * (alignment - 1))
 
 
+def backend_variants(args) -> List[tuple]:
+    """(row label, backend, environment of the variant) for each timed variant."""
+    out = []
+    for name in args.backends:
+        if name == "nccl_ep" and args.nccl_ep_env:
+            out += [(f"nccl_ep[{spec}]" if spec != "default" else "nccl_ep", name, parse_env(spec))
+                    for spec in args.nccl_ep_env]
+        else:
+            out.append((name, name, {}))
+    return out
+
+
+def parse_env(spec: str) -> Dict[str, str]:
+    """'default' or 'NAME=VALUE[,NAME=VALUE...]' -> {NAME: VALUE}."""
+    if spec == "default":
+        return {}
+    env = {}
+    for item in spec.split(","):
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--nccl-ep-env: expected NAME=VALUE[,NAME=VALUE...] or 'default', got {spec!r}")
+        env[name] = value
+    return env
+
+
+@contextlib.contextmanager
+def env_setting(env: Dict[str, str]):
+    """Set env while the variant's EpGroup is created (NCCL EP and te_ep read it then)."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def run_shape(shape: Shape, args, world: int, rank: int, device: torch.device, copy_gbps) -> List[Dict]:
     routing = make_routing(shape, rank, world, device)
     capacity = fit_capacity(routing, shape, world, args.alignment, args.worst_case_capacity)
     rows = []
     times = {}
     parts = {}
-    for name in args.backends:
-        if name == "all_to_all":
+    for name, backend_name, env in backend_variants(args):
+        if backend_name == "all_to_all":
             backend = AllToAllBaseline(shape, routing, world)
         else:
-            backend = TeEpBackend(name, shape, routing, capacity, args.alignment)
+            with env_setting(env):
+                backend = TeEpBackend(backend_name, shape, routing, capacity, args.alignment)
         with torch.no_grad():
             t_dispatch = median_ms(backend.dispatch, args.warmup, args.iters)
             backend.dispatch()
             t_combine = median_ms(backend.combine, args.warmup, args.iters)
-            if name != "all_to_all":
+            if backend_name != "all_to_all":
                 # Split dispatch into its routing exchange and the token transport.
                 parts[name] = (
                     median_ms(backend.prepare_only, args.warmup, args.iters),
@@ -306,8 +353,9 @@ def run_shape(shape: Shape, args, world: int, rank: int, device: torch.device, c
 
 def print_table(rows: List[Dict], copy_gbps) -> None:
     print(f"\nGPU-to-GPU copy (cuda:0 -> cuda:1, one direction): {copy_gbps or float('nan'):.1f} GB/s")
+    width = max([len("backend")] + [len(row["backend"]) for row in rows])
     header = (
-        f"{'shape':<30} {'backend':<11} {'op':<9} {'ms':>8} {'logical GB/s':>13} {'NVLink GB/s':>12} "
+        f"{'shape':<30} {'backend':<{width}} {'op':<11} {'ms':>8} {'logical GB/s':>13} {'NVLink GB/s':>12} "
         f"{'% copy':>7} {'x a2a':>6}"
     )
     print(header)
@@ -317,7 +365,7 @@ def print_table(rows: List[Dict], copy_gbps) -> None:
             if op + "_ms" not in row:
                 continue
             print(
-                f"{row['shape']:<30} {row['backend']:<11} {op:<9} {row[op + '_ms']:>8.3f} "
+                f"{row['shape']:<30} {row['backend']:<{width}} {op:<11} {row[op + '_ms']:>8.3f} "
                 f"{row[op + '_logical_GBps']:>13.1f} {row[op + '_nvlink_GBps']:>12.1f} "
                 f"{row[op + '_pct_copy']:>7.1f} {row[op + '_speedup_vs_a2a']:>6.2f}"
             )
@@ -333,6 +381,10 @@ def main() -> None:
     parser.add_argument("--alignment", type=int, default=1, help="per-expert zone alignment of te_ep handles")
     parser.add_argument("--worst-case-capacity", action="store_true",
                         help="size te_ep receive buffers for the worst case instead of this routing + 10%%")
+    parser.add_argument("--nccl-ep-env", nargs="+", default=None, metavar="SPEC",
+                        help="time nccl_ep once per SPEC: 'default', or NAME=VALUE[,NAME=VALUE...] set while its "
+                             "group is created (e.g. TE_EP_NCCL_EP_SMS=32 or NCCL_EP_HT_EM_LOCAL_DUP=1); "
+                             "rows are labelled nccl_ep[SPEC]")
     parser.add_argument("--csv", help="also write the rows to this CSV file (rank 0)")
     args = parser.parse_args()
 
