@@ -19,20 +19,27 @@ BACKENDS = ("auto", "reference", "nccl_ep")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _auto_backend(device: torch.device) -> str:
-    """``nccl_ep`` where it loads, else ``reference`` (saying why, once per process)."""
+# NCCL EP moves per-expert routing weights in 16-byte units (create_handle refuses others).
+NCCL_EP_EXPERT_MULTIPLE = 4
+
+
+def _auto_backend(device: torch.device, num_experts: int) -> str:
+    """``nccl_ep`` where it loads and fits the group, else ``reference`` (saying why)."""
     if device.type != "cuda":
         return "reference"
     from . import _nccl_ep
 
-    reason = _nccl_ep.availability()
+    if num_experts % NCCL_EP_EXPERT_MULTIPLE != 0:
+        reason = f"it needs num_experts to be a multiple of {NCCL_EP_EXPERT_MULTIPLE}, got {num_experts}"
+    else:
+        reason = _nccl_ep.availability()
     if not reason:
         try:
             _nccl_ep.load()
             return "nccl_ep"
         except RuntimeError as exc:
             reason = str(exc)
-    warnings.warn(f"te_ep_torch: backend='auto' uses 'reference' because nccl_ep is unavailable: {reason}")
+    warnings.warn(f"te_ep_torch: backend='auto' uses 'reference' because nccl_ep can't serve this group: {reason}")
     return "reference"
 
 
@@ -105,7 +112,7 @@ class EpGroup:
         if dev.type not in ("cpu", "cuda"):
             raise ValueError(f"EpGroup: device must be cpu or cuda, got {dev}")
         if backend == "auto":
-            backend = _auto_backend(dev)
+            backend = _auto_backend(dev, num_experts)
         elif backend == "nccl_ep" and dev.type != "cuda":
             raise ValueError(f"EpGroup: backend 'nccl_ep' needs a CUDA device, got {dev}")
         if backend == "nccl_ep":

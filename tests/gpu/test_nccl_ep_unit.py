@@ -91,6 +91,18 @@ def test_load_rejects_a_relative_path():
         OPS._nccl_ep_load("libnccl_ep.so", "")
 
 
+def test_auto_backend_needs_num_experts_a_multiple_of_4(monkeypatch):
+    from te_ep_torch import group
+
+    monkeypatch.setattr(_nccl_ep, "availability", lambda: "")
+    monkeypatch.setattr(_nccl_ep, "load", lambda: "NCCL EP (stubbed)")
+    cuda = torch.device("cuda", 0)
+    assert group._auto_backend(cuda, 8) == "nccl_ep"
+    with pytest.warns(UserWarning, match="multiple of 4, got 6"):
+        assert group._auto_backend(cuda, 6) == "reference"
+    assert group._auto_backend(torch.device("cpu"), 8) == "reference"
+
+
 def test_release_of_an_unknown_group_is_a_noop():
     OPS._nccl_ep_release_group("no-such-group")
 
