@@ -19,7 +19,8 @@ BACKENDS = ("auto", "reference", "nccl_ep")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-# NCCL EP moves per-expert routing weights in 16-byte units (create_handle refuses others).
+# NCCL EP moves per-expert routing weights in 16-byte units (create_handle refuses others;
+# kNcclEpCountMultiple in csrc/torch/nccl_ep_ops.cpp).
 NCCL_EP_EXPERT_MULTIPLE = 4
 
 
@@ -141,6 +142,7 @@ class EpGroup:
 
     def worst_case_capacity(self, top_k: int, alignment: int = 1) -> int:
         """Receive rows that no routing can overflow (the default capacity)."""
+        # Mirrored by worst_case_rows in csrc/torch/nccl_ep_ops.cpp (picks NCCL EP's overflow policy).
         return self.ep_size * self.max_tokens_per_rank * min(top_k, self.num_local_experts) + self.num_local_experts * (
             alignment - 1
         )
