@@ -1,24 +1,67 @@
-"""Dispatch / combine latency and bandwidth: nccl_ep vs reference vs all_to_all.
+"""Dispatch / combine latency and bandwidth: te_ep on NCCL EP vs NCCL EP alone vs all_to_all.
 
     torchrun --nproc-per-node=4 benchmarks/bench_dispatch_combine.py [--csv out.csv]
+    torchrun --nproc-per-node=2 benchmarks/bench_dispatch_combine.py --device cpu --shapes small --iters 3
 
-For each shape (tokens per rank, hidden, top_k, experts; bf16) the same routing
-runs through
+For each shape (tokens per rank, hidden, top_k, experts; bf16) the same routing,
+with the same receive capacity and zone alignment, runs through
 
-* ``nccl_ep``   te_ep_torch's NCCL EP backend (``EpGroup(backend="nccl_ep")``),
-* ``reference`` te_ep_torch's torch.distributed backend on the same NCCL group,
-* ``all_to_all`` the baseline a user would write (TorchTitan style): permute
+* ``te_ep/MODE``   te_ep_torch's NCCL EP backend,
+  ``EpGroup(backend="nccl_ep", nccl_ep_mode=MODE)`` for each of ``--modes``:
+  ``staged`` (NCCL EP's own staging buffers, outputs from the caching
+  allocator) and ``zero_copy`` (receive and combine rows in NCCL symmetric
+  windows the handle owns). A row is labelled with the mode the handle runs in
+  (``handle.mode``), as ``te_ep/REQUESTED->ACTUAL`` where that differs;
+* ``nccl.ep/MODE`` NCCL EP alone through its own Python API (``nccl.ep`` and
+  nccl4py's ``nccl.core``, benchmarks/_nccl_ep_alone.py) in the same NCCL EP
+  configuration, once per mode (``auto`` counts as ``zero_copy``); skipped,
+  saying why, where those packages don't import;
+* ``te_ep/reference`` te_ep_torch's torch.distributed backend (only with
+  ``--backends ... reference``);
+* ``all_to_all``   the baseline a user would write (TorchTitan style): sort
   (token, expert) pairs by expert, exchange per-expert counts with
-  ``all_to_all_single``, ``.tolist()`` the splits, ``all_to_all_single`` the
-  rows, regroup expert-major; combine is the reverse plus a scatter-add.
+  ``all_to_all_single``, ``.tolist()`` the splits, ``all_to_all_single`` one
+  row per pair, regroup expert-major; combine is the reverse plus a sum;
+* ``a2a_dedup``    each token sent once per destination rank: the per-rank
+  token counts exchanged with ``all_to_all_single`` and ``.tolist()``-ed, then
+  ``all_to_all_single`` of those tokens and of their (local expert ids,
+  weights), then te_ep_torch's local ``te.permute`` into the expert-major layout
+  (same capacity and alignment as te_ep). Combine is ``te.unpermute`` (summing
+  a token's local expert rows), ``all_to_all_single`` back, and a sum over
+  ranks.
 
-Dispatch time includes the routing exchange (``prepare`` for te_ep, the count
-exchange for the baseline). For the te_ep backends two more rows split it:
-``prepare`` (the routing exchange alone) and ``dispatch_op`` (the dispatch op on
-already-prepared routing: the token transport, whose NVLink figure is the one
-to hold against the copy bandwidth). Each iteration starts after a barrier and a device
-synchronisation and is timed with CUDA events; a row reports the median over
-iterations of the slowest rank.
+Rows (ops), each the median over barrier-aligned iterations of the slowest rank:
+
+* ``prepare``      the routing exchange alone (te_ep: ``handle.prepare``;
+  nccl.ep: ``ncclEpUpdateHandle`` with per-expert counts and their total);
+* ``dispatch_op``  the dispatch op on already-prepared routing: the token
+  transport, whose NVLink figure is the one to hold against the copy bandwidth;
+* ``dispatch``     prepare + dispatch_op (``te.ep_dispatch``); for the baselines
+  everything from the routing to the expert-major tokens, count exchange and
+  host syncs included;
+* ``combine``      expert outputs back to their tokens, summed. In zero-copy
+  mode the expert output is already in the combine window
+  (``handle.combine_buffer()``, for nccl.ep its combine window), written there
+  with ``copy_`` before each iteration, outside the timed region: combine
+  consumes that buffer;
+* ``combine_copy`` (zero-copy te_ep only) combine from a plain tensor, which
+  te_ep first copies into its window.
+
+Each iteration starts after a barrier and a device synchronisation and is timed
+with CUDA events (``--device cpu``: wall clock). Before timing, each variant
+round-trips once with identity experts: combine(dispatch(x)) must equal
+top_k * x up to bf16 rounding (``check``, largest error relative to max |top_k * x|
+on any rank); a failed check is reported, not fatal.
+
+Ratios (time of the other / time of the row; > 1: the row is faster):
+``x a2a`` and ``x dedup`` hold dispatch against the baseline's dispatch and
+combine / combine_copy against its combine; ``x alone`` holds a te_ep row
+against nccl.ep's row of the same op and mode (combine_copy against nccl.ep's
+zero-copy combine, so it prices te_ep's copy into the window). Below the
+worst-case capacity te_ep runs NCCL EP with the DROP overflow policy (in the
+staged mode NCCL EP then zero-fills the receive buffer on every dispatch) while
+nccl.ep uses TRAP; te_ep also zeroes receive rows past the last zone and
+zero-fills each combine output. ``x alone`` includes all of that.
 
 Bandwidth follows DeepEP's convention: a token sent to a rank counts once per
 destination rank, however many of that rank's experts it goes to.
@@ -26,15 +69,20 @@ destination rank, however many of that rank's experts it goes to.
 ``NVLink GB/s`` = bytes received from other ranks / time, averaged over ranks.
 ``% copy`` relates the NVLink figure to a plain GPU-to-GPU copy measured in the
 same run (one peer copy, cuda:0 -> cuda:1, one direction); all-to-all receives
-from several peers at once, so it can exceed 100%.
+from several peers at once, so it can exceed 100%. ``prepare`` moves no tokens
+and gets no bandwidth.
 
-``--nccl-ep-env SPEC ...`` times nccl_ep once per environment setting in the
-same run (e.g. ``default TE_EP_NCCL_EP_SMS=32 NCCL_EP_HT_EM_LOCAL_DUP=1``): each
-variable is set while that variant's group is created, when te_ep and NCCL EP
-read it. Each new NCCL EP configuration compiles its kernels on first use.
+``--nccl-ep-env SPEC ...`` times te_ep and nccl.ep once per environment
+setting in the same run (e.g. ``default NCCL_EP_COMM_SMS=32
+NCCL_EP_DISABLE_GUARD=1``): each variable is set while that variant's group
+is created, when NCCL EP reads it. Each new NCCL EP configuration compiles its
+kernels on first use. Rows and ratios are printed per shape as soon as it is
+done, and ``--csv`` is rewritten then (one line per variant and op).
 
-NVLink multicast is never used: NCCL_NVLS_ENABLE=0,
-TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 are the defaults.
+``--device cpu`` runs on gloo (reference and the baselines; the NCCL EP
+variants are skipped): it tests the script, its numbers mean nothing. NVLink
+multicast is never used: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+and NVSHMEM_DISABLE_NVLS=1 are the defaults.
 """
 
 from __future__ import annotations
@@ -53,13 +101,26 @@ import contextlib  # noqa: E402
 import csv  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from typing import Callable, Dict, List, Optional  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from typing import Callable, Dict, List, Optional, Tuple  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _nccl_ep_alone  # noqa: E402
+
 DTYPE = torch.bfloat16
+MODES = ("staged", "zero_copy", "auto")
+# Execution order: the variants least likely to take the process down first, so
+# that their numbers are printed (progress lines) whatever happens later.
+BACKENDS = ("all_to_all", "a2a_dedup", "reference", "nccl_ep", "nccl_ep_alone")
+DEFAULT_BACKENDS = ["nccl_ep", "nccl_ep_alone", "all_to_all", "a2a_dedup"]
+OPS = ("prepare", "dispatch_op", "dispatch", "combine", "combine_copy")
+CHECK_TOLERANCE = 1e-2  # relative to max |top_k * x|; bf16 keeps 8 significant bits
 
 
 @dataclass(frozen=True)
@@ -121,28 +182,56 @@ def make_routing(shape: Shape, rank: int, world: int, device: torch.device) -> R
     )
 
 
-def median_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
+# ---- timing ------------------------------------------------------------------
+
+
+@dataclass
+class Op:
+    fn: Callable[[], object]
+    setup: Optional[Callable[[], object]] = None  # before each iteration, outside the timed region
+
+    def run(self):
+        if self.setup is not None:
+            self.setup()
+        return self.fn()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(op: Op, warmup: int, iters: int, device: torch.device) -> float:
     """Median of barrier-aligned iterations; the slowest rank's median."""
     for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        op.run()
+    synchronize(device)
     times = []
     for _ in range(iters):
+        if op.setup is not None:
+            op.setup()
         dist.barrier()
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    result = torch.tensor([statistics.median(times)], device="cuda")
+        synchronize(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            op.fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            op.fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    result = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
     dist.all_reduce(result, op=dist.ReduceOp.MAX)
     return float(result.item())
 
 
 def peer_copy_gbps(device: torch.device, nbytes: int = 1 << 30, iters: int = 10) -> Optional[float]:
     """One-direction cuda:i -> cuda:i+1 copy bandwidth, measured by rank 0 alone."""
+    if device.type != "cuda":
+        return None
     value = torch.zeros(1, device=device)
     if dist.get_rank() == 0 and torch.cuda.device_count() > 1:
         peer = torch.device("cuda", (device.index + 1) % torch.cuda.device_count())
@@ -166,56 +255,158 @@ def peer_copy_gbps(device: torch.device, nbytes: int = 1 << 30, iters: int = 10)
     return float(value.item()) or None
 
 
-# ---- backends -----------------------------------------------------------------
+# ---- variants ------------------------------------------------------------------
+# Each variant dispatches the routing's tokens into an expert-major buffer,
+# takes an expert output of that layout (set_expert_output) and combines it;
+# ops() names what is timed, in an order in which each op finds the state it
+# needs (prepared routing, dispatched rows).
 
 
-class TeEpBackend:
-    """te_ep_torch through its public API (EpGroup / ep_dispatch / ep_combine)."""
+class Skip(Exception):
+    """A variant that can't run here; the message says why (not an error of the benchmark)."""
 
-    def __init__(self, name: str, shape: Shape, routing: Routing, capacity: int, alignment: int) -> None:
-        import te_ep_torch as te
 
-        self.te = te
-        self.group = te.EpGroup(num_experts=shape.experts, max_tokens_per_rank=shape.tokens, backend=name)
-        self.handle = self.group.create_handle(
-            top_k=shape.top_k, hidden=shape.hidden, dtype=DTYPE, alignment=alignment, capacity=capacity
-        )
-        self.routing = routing
+class Variant:
+    kind = ""  # "te_ep", "nccl.ep" or "baseline"
+    mode = ""  # te_ep and nccl.ep: the mode they run in
+    capacity = ""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.expert_out: Optional[torch.Tensor] = None
+
+    def dispatch(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def set_expert_output(self, expert_out: torch.Tensor) -> None:
+        self.expert_out = expert_out
+
+    def ops(self) -> Dict[str, Op]:
+        raise NotImplementedError
+
+    def close(self) -> None:
         self.expert_out = None
 
-    def dispatch(self):
+
+class TeEp(Variant):
+    """te_ep_torch through its public API (EpGroup / ep_dispatch / ep_combine)."""
+
+    kind = "te_ep"
+
+    def __init__(self, backend: str, requested_mode: str, suffix: str, shape: Shape, routing: Routing,
+                 capacity: int, alignment: int) -> None:
+        import te_ep_torch as te
+
+        if backend == "nccl_ep" and routing.tokens.device.type != "cuda":
+            raise Skip("the nccl_ep backend needs --device cuda")
+        self.te = te
+        mode_arg = {"nccl_ep_mode": requested_mode} if backend == "nccl_ep" else {}
+        self.group = te.EpGroup(num_experts=shape.experts, max_tokens_per_rank=shape.tokens, backend=backend,
+                                **mode_arg)
+        try:
+            self.handle = self.group.create_handle(
+                top_k=shape.top_k, hidden=shape.hidden, dtype=DTYPE, alignment=alignment, capacity=capacity
+            )
+        except Exception:
+            # e.g. zero_copy where windows can't be had: every rank fails alike (the mode is agreed).
+            self.group.shutdown()
+            raise
+        self.mode = self.handle.mode
+        self.capacity = capacity
+        shown = self.mode if requested_mode in ("", self.mode) else f"{requested_mode}->{self.mode}"
+        super().__init__(f"te_ep/{shown}{suffix}")
+        self.routing = routing
+        self.combine_buffer: Optional[torch.Tensor] = None
+
+    def dispatch(self) -> torch.Tensor:
         r = self.routing
-        out = self.te.ep_dispatch(self.handle, r.tokens, r.topk_idx, r.topk_weights)
-        self.expert_out = out.tokens
-        return out
+        return self.te.ep_dispatch(self.handle, r.tokens, r.topk_idx, r.topk_weights).tokens
 
-    def combine(self):
-        return self.te.ep_combine(self.handle, self.expert_out, self.routing.tokens.shape[0])
-
-    def prepare_only(self):
+    def prepare(self):
         return self.handle.prepare(self.routing.topk_idx)
 
-    def dispatch_only(self):
+    def dispatch_op(self):
         """The dispatch op alone on the prepared routing: the transport itself."""
         r, h = self.routing, self.handle
         return self.te.ops.dispatch(
             r.tokens, r.topk_weights, h.handle_mem, self.group.group_name, h.id, h.config.capacity
         )
 
+    def combine_from(self, expert_out: torch.Tensor) -> torch.Tensor:
+        return self.te.ep_combine(self.handle, expert_out, self.routing.tokens.shape[0])
+
+    def fill_combine_buffer(self) -> None:
+        self.combine_buffer = self.handle.combine_buffer()
+        self.combine_buffer.copy_(self.expert_out)
+
+    def ops(self) -> Dict[str, Op]:
+        ops = {"prepare": Op(self.prepare), "dispatch_op": Op(self.dispatch_op), "dispatch": Op(self.dispatch)}
+        if self.mode == "zero_copy":
+            ops["combine"] = Op(lambda: self.combine_from(self.combine_buffer), setup=self.fill_combine_buffer)
+            ops["combine_copy"] = Op(lambda: self.combine_from(self.expert_out))
+        else:
+            ops["combine"] = Op(lambda: self.combine_from(self.expert_out))
+        return ops
+
     def close(self) -> None:
-        self.expert_out = None
+        super().close()
+        self.combine_buffer = None
         self.group.shutdown()
 
 
-class AllToAllBaseline:
-    """Dispatch/combine written with all_to_all_single, as in TorchTitan."""
+class NcclEpAloneVariant(Variant):
+    """NCCL EP through nccl.ep / nccl.core alone (benchmarks/_nccl_ep_alone.py)."""
+
+    kind = "nccl.ep"
+
+    def __init__(self, mode: str, suffix: str, shape: Shape, routing: Routing, capacity: int,
+                 alignment: int) -> None:
+        if routing.tokens.device.type != "cuda":
+            raise Skip("NCCL EP needs --device cuda")
+        reason = _nccl_ep_alone.unavailable()
+        if reason:
+            raise Skip(reason)
+        self.mode = mode
+        self.capacity = capacity
+        super().__init__(f"nccl.ep/{mode}{suffix}")
+        self.alone = _nccl_ep_alone.NcclEpAlone(
+            tokens=routing.tokens, topk_idx=routing.topk_idx, topk_weights=routing.topk_weights,
+            num_experts=shape.experts, capacity=capacity, alignment=alignment, zero_copy=mode == "zero_copy",
+        )
+
+    def dispatch(self) -> torch.Tensor:
+        return self.alone.dispatch()
+
+    def set_expert_output(self, expert_out: torch.Tensor) -> None:
+        super().set_expert_output(expert_out)
+        self.alone.set_expert_output(expert_out)
+
+    def ops(self) -> Dict[str, Op]:
+        a = self.alone
+        return {
+            "prepare": Op(a.prepare),
+            "dispatch_op": Op(a.dispatch_op),
+            "dispatch": Op(a.dispatch),
+            "combine": Op(a.combine, setup=a.fill_combine_window if a.zero_copy else None),
+        }
+
+    def close(self) -> None:
+        super().close()
+        self.alone.close()
+
+
+class AllToAll(Variant):
+    """One row per (token, expert) pair through all_to_all_single, as in TorchTitan."""
+
+    kind = "baseline"
 
     def __init__(self, shape: Shape, routing: Routing, world: int) -> None:
+        super().__init__("all_to_all")
         self.shape, self.routing, self.world = shape, routing, world
         self.local = shape.experts // world
         self.state = None
 
-    def dispatch(self):
+    def dispatch(self) -> torch.Tensor:
         r, shape, world, local = self.routing, self.shape, self.world, self.local
         flat = r.topk_idx.flatten()
         order = torch.argsort(flat, stable=True)
@@ -232,13 +423,12 @@ class AllToAllBaseline:
             torch.arange(local, device=recv.device).repeat(world), recv_counts.view(-1), output_size=recv.shape[0]
         )
         regroup = torch.argsort(expert_of_row, stable=True)
-        expert_major = recv.index_select(0, regroup)
-        self.state = (order, send_splits, recv_splits, regroup, expert_major)
-        return expert_major
+        self.state = (order, send_splits, recv_splits, regroup)
+        return recv.index_select(0, regroup)
 
-    def combine(self):
-        order, send_splits, recv_splits, regroup, expert_out = self.state
-        shape = self.shape
+    def combine(self) -> torch.Tensor:
+        order, send_splits, recv_splits, regroup = self.state
+        shape, expert_out = self.shape, self.expert_out
         back = torch.empty_like(expert_out)
         back.index_copy_(0, regroup, expert_out)
         returned = expert_out.new_empty(sum(send_splits), shape.hidden)
@@ -247,32 +437,117 @@ class AllToAllBaseline:
         out.index_add_(0, order // shape.top_k, returned.float())
         return out.to(DTYPE)
 
+    def ops(self) -> Dict[str, Op]:
+        return {"dispatch": Op(self.dispatch), "combine": Op(self.combine)}
+
     def close(self) -> None:
+        super().close()
+        self.state = None
+
+
+class AllToAllDedup(Variant):
+    """Each token sent once per destination rank, then te_ep_torch's local permute."""
+
+    kind = "baseline"
+
+    def __init__(self, shape: Shape, routing: Routing, world: int, capacity: int, alignment: int) -> None:
+        import te_ep_torch as te
+
+        super().__init__("a2a_dedup")
+        self.te = te
+        self.shape, self.routing, self.world = shape, routing, world
+        self.local = shape.experts // world
+        self.capacity, self.alignment = capacity, alignment
+        self.state = None
+
+    def dispatch(self) -> torch.Tensor:
+        r, shape, world, local = self.routing, self.shape, self.world, self.local
+        num_tokens, top_k = r.topk_idx.shape
+        dest = r.topk_idx // local
+        to_rank = torch.zeros(num_tokens, world, dtype=torch.bool, device=dest.device).scatter_(1, dest, True)
+        send_counts = to_rank.sum(0)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts)
+        # Selected (rank, token) pairs first, rank-major, tokens ascending; the
+        # splits' .tolist() is the one host sync, and it also sizes the slice.
+        order = torch.argsort((~to_rank).t().reshape(-1).to(torch.int8), stable=True)
+        send_splits, recv_splits = torch.stack([send_counts, recv_counts]).tolist()
+        picked = order[: sum(send_splits)]
+        send_rank, send_token = picked // num_tokens, picked % num_tokens
+        ids = r.topk_idx.index_select(0, send_token)
+        mine = (ids // local) == send_rank.unsqueeze(1)
+        local_ids = torch.where(mine, ids - send_rank.unsqueeze(1) * local, -1).to(torch.int32)
+        weights = torch.where(mine, r.topk_weights.index_select(0, send_token), 0.0)
+        # One exchange for both: ids and the weights' bits side by side as int32.
+        meta = torch.cat([local_ids, weights.view(torch.int32)], dim=1)
+        recv_meta = meta.new_empty(sum(recv_splits), 2 * top_k)
+        dist.all_to_all_single(recv_meta, meta, recv_splits, send_splits)
+        send = r.tokens.index_select(0, send_token)
+        recv = send.new_empty(sum(recv_splits), shape.hidden)
+        dist.all_to_all_single(recv, send, recv_splits, send_splits)
+        recv_ids = recv_meta[:, :top_k].contiguous()
+        recv_weights = recv_meta[:, top_k:].contiguous().view(torch.float32)
+        expert_major, _, perm_map = self.te.permute(
+            recv, recv_ids, recv_weights, num_experts=local, capacity=self.capacity, alignment=self.alignment
+        )
+        self.state = (send_token, send_splits, recv_splits, perm_map)
+        return expert_major
+
+    def combine(self) -> torch.Tensor:
+        send_token, send_splits, recv_splits, perm_map = self.state
+        shape = self.shape
+        per_token = self.te.unpermute(self.expert_out, perm_map)
+        returned = per_token.new_empty(sum(send_splits), shape.hidden)
+        dist.all_to_all_single(returned, per_token, send_splits, recv_splits)
+        out = torch.zeros(shape.tokens, shape.hidden, dtype=torch.float32, device=returned.device)
+        out.index_add_(0, send_token, returned.float())
+        return out.to(DTYPE)
+
+    def ops(self) -> Dict[str, Op]:
+        return {"dispatch": Op(self.dispatch), "combine": Op(self.combine)}
+
+    def close(self) -> None:
+        super().close()
         self.state = None
 
 
 # ---- driver -------------------------------------------------------------------
 
 
-def fit_capacity(routing: Routing, shape: Shape, world: int, alignment: int, worst_case: bool) -> int:
-    local = shape.experts // world
-    if worst_case:
-        return world * shape.tokens * min(shape.top_k, local) + local * (alignment - 1)
-    need = torch.tensor([routing.recv_rows], device="cuda")
-    dist.all_reduce(need, op=dist.ReduceOp.MAX)
-    # 10% headroom, as a capacity factor would give; padding on top.
-    return max(shape.tokens, math.ceil(int(need.item()) * 1.1) + local * (alignment - 1))
+@dataclass
+class VariantSpec:
+    backend: str
+    mode: str = ""
+    env_spec: str = "default"
+    env: Dict[str, str] = field(default_factory=dict)
+
+    @property
+    def suffix(self) -> str:
+        return "" if self.env_spec == "default" else f"[{self.env_spec}]"
+
+    @property
+    def label(self) -> str:
+        """The row label, before a te_ep handle says which mode it runs in."""
+        if self.backend == "nccl_ep":
+            return f"te_ep/{self.mode}{self.suffix}"
+        if self.backend == "nccl_ep_alone":
+            return f"nccl.ep/{self.mode}{self.suffix}"
+        return "te_ep/reference" if self.backend == "reference" else self.backend
 
 
-def backend_variants(args) -> List[tuple]:
-    """(row label, backend, environment of the variant) for each timed variant."""
+def variant_specs(args) -> List[VariantSpec]:
+    """What to run, in execution order (BACKENDS)."""
+    envs = [(spec, parse_env(spec)) for spec in (args.nccl_ep_env or ["default"])]
+    # NCCL EP alone has no 'auto': te_ep's auto is zero-copy wherever windows work.
+    alone_modes = list(dict.fromkeys("zero_copy" if m == "auto" else m for m in args.modes))
     out = []
-    for name in args.backends:
-        if name == "nccl_ep" and args.nccl_ep_env:
-            out += [(f"nccl_ep[{spec}]" if spec != "default" else "nccl_ep", name, parse_env(spec))
-                    for spec in args.nccl_ep_env]
+    for backend in (b for b in BACKENDS if b in args.backends):
+        if backend == "nccl_ep":
+            out += [VariantSpec(backend, mode, spec, env) for spec, env in envs for mode in args.modes]
+        elif backend == "nccl_ep_alone":
+            out += [VariantSpec(backend, mode, spec, env) for spec, env in envs for mode in alone_modes]
         else:
-            out.append((name, name, {}))
+            out.append(VariantSpec(backend))
     return out
 
 
@@ -291,7 +566,7 @@ def parse_env(spec: str) -> Dict[str, str]:
 
 @contextlib.contextmanager
 def env_setting(env: Dict[str, str]):
-    """Set env while the variant's EpGroup is created (NCCL EP and te_ep read it then)."""
+    """Set env while the variant's group is created (NCCL EP and te_ep read it then)."""
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     try:
@@ -304,112 +579,270 @@ def env_setting(env: Dict[str, str]):
                 os.environ[name] = value
 
 
-def run_shape(shape: Shape, args, world: int, rank: int, device: torch.device, copy_gbps) -> List[Dict]:
-    routing = make_routing(shape, rank, world, device)
-    capacity = fit_capacity(routing, shape, world, args.alignment, args.worst_case_capacity)
-    rows = []
-    times = {}
-    parts = {}
-    for name, backend_name, env in backend_variants(args):
-        if backend_name == "all_to_all":
-            backend = AllToAllBaseline(shape, routing, world)
-        else:
-            with env_setting(env):
-                backend = TeEpBackend(backend_name, shape, routing, capacity, args.alignment)
-        with torch.no_grad():
-            t_dispatch = median_ms(backend.dispatch, args.warmup, args.iters)
-            backend.dispatch()
-            t_combine = median_ms(backend.combine, args.warmup, args.iters)
-            if backend_name != "all_to_all":
-                # Split dispatch into its routing exchange and the token transport.
-                parts[name] = (
-                    median_ms(backend.prepare_only, args.warmup, args.iters),
-                    median_ms(backend.dispatch_only, args.warmup, args.iters),
-                )
-        backend.close()
-        del backend
-        torch.cuda.empty_cache()
-        times[name] = (t_dispatch, t_combine)
+def make_variant(spec: VariantSpec, shape: Shape, routing: Routing, capacity: int, args, world: int) -> Variant:
+    if spec.backend == "all_to_all":
+        return AllToAll(shape, routing, world)
+    if spec.backend == "a2a_dedup":
+        return AllToAllDedup(shape, routing, world, capacity, args.alignment)
+    with env_setting(spec.env):
+        if spec.backend == "nccl_ep_alone":
+            return NcclEpAloneVariant(spec.mode, spec.suffix, shape, routing, capacity, args.alignment)
+        return TeEp(spec.backend, spec.mode, spec.suffix, shape, routing, capacity, args.alignment)
 
+
+def on_every_rank(what: Callable[[], object]) -> Tuple[object, str, bool]:
+    """(what(), '', True) where it succeeded on every rank, else (None, the first rank's error, everywhere).
+
+    A failing rank prints its traceback (a Skip only its message) and the run
+    goes on with the next variant. ``everywhere``: whether every rank failed
+    (then each can clean up what it made, collectively).
+    """
+    try:
+        result, error = what(), ""
+    except Skip as exc:
+        result, error = None, str(exc)
+    except Exception as exc:  # reported in the table and on stderr; the remaining variants still run
+        traceback.print_exc()
+        message = str(exc).strip()
+        result, error = None, f"{type(exc).__name__}: {message.splitlines()[0] if message else ''}"
+    errors: List[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if not failed:
+        return result, "", True
+    everywhere = len(failed) == len(errors)
+    if everywhere and all(e == failed[0][1] for _, e in failed):
+        return None, failed[0][1], True
+    return None, f"rank {failed[0][0]}: {failed[0][1]}", everywhere
+
+
+def roundtrip_error(op: Op, routing: Routing, top_k: int, device: torch.device) -> float:
+    """Largest |combine(dispatch(x)) - top_k * x| / max |top_k * x| with identity experts, on any rank."""
+    expected = routing.tokens.float() * top_k
+    err = (op.run().float() - expected).abs().max() / expected.abs().max()
+    result = torch.tensor([float(err)], dtype=torch.float64, device=device)
+    dist.all_reduce(result, op=dist.ReduceOp.MAX)
+    return float(result.item())
+
+
+def measure(variant: Variant, routing: Routing, shape: Shape, args, device: torch.device):
+    """({op: ms}, check error) of one variant."""
+    # Identity experts: the expert output is what arrived, in a tensor of its own.
+    variant.set_expert_output(variant.dispatch().clone())
+    ops = variant.ops()
+    error = max(roundtrip_error(op, routing, shape.top_k, device) for name, op in ops.items()
+                if name.startswith("combine"))
+    times = {name: median_ms(op, args.warmup, args.iters, device) for name, op in ops.items()}
+    return times, error
+
+
+def fit_capacity(routing: Routing, shape: Shape, world: int, args, device: torch.device) -> int:
+    local = shape.experts // world
+    if args.worst_case_capacity:
+        return world * shape.tokens * min(shape.top_k, local) + local * (args.alignment - 1)
+    need = torch.tensor([routing.recv_rows], device=device)
+    dist.all_reduce(need, op=dist.ReduceOp.MAX)
+    # NCCL EP's receive budget may not be below its send budget (T rounded up to 4).
+    floor = -(-shape.tokens // _nccl_ep_alone.SEND_BUDGET_MULTIPLE) * _nccl_ep_alone.SEND_BUDGET_MULTIPLE
+    # 10% headroom, as a capacity factor would give; padding on top.
+    return max(floor, math.ceil(int(need.item()) * 1.1) + local * (args.alignment - 1))
+
+
+@dataclass
+class Result:
+    label: str
+    kind: str
+    mode: str
+    env_spec: str
+    capacity: object
+    times: Dict[str, float]
+    check: float
+
+
+def run_shape(shape: Shape, args, world: int, rank: int, device: torch.device, copy_gbps
+              ) -> Tuple[List[Dict], List[Tuple[str, str]]]:
+    """(table rows, [(label, why)] of the variants that did not run)."""
+    routing = make_routing(shape, rank, world, device)
+    capacity = fit_capacity(routing, shape, world, args, device)
+    results, skipped = [], []
+    for spec in variant_specs(args):
+        variant, error, everywhere = on_every_rank(lambda: make_variant(spec, shape, routing, capacity, args, world))
+        label = spec.label if variant is None else variant.label
+        if variant is not None:
+            kind, mode, cap = variant.kind, variant.mode, variant.capacity
+            with torch.no_grad():
+                measured, error, everywhere = on_every_rank(lambda: measure(variant, routing, shape, args, device))
+            # Teardown is collective: not where some rank failed (it would not join).
+            if everywhere:
+                variant.close()
+            del variant
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if error:
+            skipped.append((label, error))
+            if rank == 0:
+                print(f"  {label}: not run: {error}", flush=True)
+            continue
+        times, check = measured
+        results.append(Result(label, kind, mode, spec.env_spec, cap, times, check))
+        if rank == 0:
+            ms = "  ".join(f"{op} {t:.3f}" for op, t in times.items())
+            print(f"  {label}: {ms} ms; check {check:.1e}", flush=True)
     volumes = torch.tensor([routing.recv_bytes, routing.recv_bytes_remote], dtype=torch.float64, device=device)
     dist.all_reduce(volumes)
     logical_bytes, remote_bytes = (float(v) / world for v in volumes.tolist())
-    baseline = times.get("all_to_all")
-    for name, (t_d, t_c) in times.items():
-        row = {"shape": shape.label(), "backend": name, "capacity": capacity if name != "all_to_all" else ""}
-        ops = [("dispatch", t_d, baseline and baseline[0]), ("combine", t_c, baseline and baseline[1])]
-        if name in parts:
-            ops += [("prepare", parts[name][0], None), ("dispatch_op", parts[name][1], None)]
-        for op, t, base in ops:
-            nvlink = remote_bytes / (t * 1e-3) / 1e9
-            row[f"{op}_ms"] = t
-            row[f"{op}_logical_GBps"] = logical_bytes / (t * 1e-3) / 1e9
-            row[f"{op}_nvlink_GBps"] = nvlink
-            row[f"{op}_pct_copy"] = 100.0 * nvlink / copy_gbps if copy_gbps else float("nan")
-            row[f"{op}_speedup_vs_a2a"] = base / t if base else float("nan")
-        rows.append(row)
+    return table_rows(shape, results, logical_bytes, remote_bytes, copy_gbps), skipped
+
+
+def table_rows(shape: Shape, results: List[Result], logical_bytes: float, remote_bytes: float,
+               copy_gbps: Optional[float]) -> List[Dict]:
+    """One row per (variant, op), with bandwidths and ratios."""
+    by_label = {r.label: r for r in results}
+
+    def ratio(other: Optional[Result], op: str, t: float) -> float:
+        if other is None or op not in other.times:
+            return float("nan")
+        return other.times[op] / t
+
+    kind_order = {"te_ep": 0, "nccl.ep": 1, "baseline": 2}
+    rows = []
+    for r in sorted(results, key=lambda r: kind_order[r.kind]):
+        alone = None
+        if r.kind == "te_ep" and r.mode in ("staged", "zero_copy"):
+            alone = by_label.get(f"nccl.ep/{r.mode}" + ("" if r.env_spec == "default" else f"[{r.env_spec}]"))
+        for op in OPS:
+            if op not in r.times:
+                continue
+            t = r.times[op]
+            base_op = "combine" if op == "combine_copy" else op
+            moves_tokens = op != "prepare"
+            nvlink = remote_bytes / (t * 1e-3) / 1e9 if moves_tokens else float("nan")
+            rows.append({
+                "shape": shape.label(),
+                "variant": r.label,
+                "mode": r.mode,
+                "env": r.env_spec,
+                "capacity": r.capacity,
+                "op": op,
+                "ms": t,
+                "logical_GBps": logical_bytes / (t * 1e-3) / 1e9 if moves_tokens else float("nan"),
+                "nvlink_GBps": nvlink,
+                "pct_copy": 100.0 * nvlink / copy_gbps if copy_gbps else float("nan"),
+                "x_a2a": ratio(by_label.get("all_to_all"), base_op, t) if base_op in ("dispatch", "combine")
+                else float("nan"),
+                "x_dedup": ratio(by_label.get("a2a_dedup"), base_op, t) if base_op in ("dispatch", "combine")
+                else float("nan"),
+                "x_alone": ratio(alone, base_op, t),
+                "check_rel_err": r.check,
+            })
     return rows
 
 
-def print_table(rows: List[Dict], copy_gbps) -> None:
-    print(f"\nGPU-to-GPU copy (cuda:0 -> cuda:1, one direction): {copy_gbps or float('nan'):.1f} GB/s")
-    width = max([len("backend")] + [len(row["backend"]) for row in rows])
+def fmt(value: float, width: int, digits: int) -> str:
+    return f"{'-':>{width}}" if math.isnan(value) else f"{value:>{width}.{digits}f}"
+
+
+def print_table(rows: List[Dict], skipped: List[Tuple[str, str]]) -> None:
+    width = max([len("variant")] + [len(row["variant"]) for row in rows] + [len(label) for label, _ in skipped])
     header = (
-        f"{'shape':<30} {'backend':<{width}} {'op':<11} {'ms':>8} {'logical GB/s':>13} {'NVLink GB/s':>12} "
-        f"{'% copy':>7} {'x a2a':>6}"
+        f"{'shape':<30} {'variant':<{width}} {'op':<12} {'ms':>8} {'logical GB/s':>13} {'NVLink GB/s':>12} "
+        f"{'% copy':>7} {'x a2a':>6} {'x dedup':>7} {'x alone':>7}"
     )
     print(header)
     print("-" * len(header))
     for row in rows:
-        for op in ("dispatch", "combine", "prepare", "dispatch_op"):
-            if op + "_ms" not in row:
-                continue
-            print(
-                f"{row['shape']:<30} {row['backend']:<{width}} {op:<11} {row[op + '_ms']:>8.3f} "
-                f"{row[op + '_logical_GBps']:>13.1f} {row[op + '_nvlink_GBps']:>12.1f} "
-                f"{row[op + '_pct_copy']:>7.1f} {row[op + '_speedup_vs_a2a']:>6.2f}"
-            )
+        print(
+            f"{row['shape']:<30} {row['variant']:<{width}} {row['op']:<12} {row['ms']:>8.3f} "
+            f"{fmt(row['logical_GBps'], 13, 1)} {fmt(row['nvlink_GBps'], 12, 1)} {fmt(row['pct_copy'], 7, 1)} "
+            f"{fmt(row['x_a2a'], 6, 2)} {fmt(row['x_dedup'], 7, 2)} {fmt(row['x_alone'], 7, 2)}"
+        )
+    checks = dict.fromkeys((row["variant"], row["check_rel_err"]) for row in rows)
+    print("check, combine(dispatch(x)) with identity experts vs top_k * x (largest error / max |top_k * x|):")
+    for label, err in checks:
+        print(f"  {label:<{width}} {'ok  ' if err <= CHECK_TOLERANCE else 'FAIL'} {err:.1e}")
+    for label, reason in skipped:
+        print(f"  {label:<{width}} not run: {reason}")
+
+
+def nccl_ep_versions(args) -> List[str]:
+    """What te_ep and nccl.ep run on. te_ep loads NCCL EP first, as it would in a te_ep process."""
+    from te_ep_torch import _nccl_ep as te_nccl_ep
+
+    try:
+        lines = [f"te_ep: {te_nccl_ep.availability() or te_nccl_ep.load()}"]
+    except RuntimeError as exc:
+        lines = [f"te_ep: NCCL EP does not load: {exc}"]
+    if "nccl_ep_alone" in args.backends:
+        lines.append(f"nccl.ep: {_nccl_ep_alone.unavailable() or _nccl_ep_alone.describe()}")
+    return lines
+
+
+def init_distributed(kind: str) -> torch.device:
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device here (use --device cpu to test the script)")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=device)
+        return device
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--backends", nargs="+", default=["nccl_ep", "reference", "all_to_all"],
-                        choices=["nccl_ep", "reference", "all_to_all"])
+    parser.add_argument("--backends", nargs="+", default=DEFAULT_BACKENDS, choices=list(BACKENDS),
+                        help="nccl_ep: te_ep on NCCL EP, once per --modes entry; nccl_ep_alone: NCCL EP through "
+                             "nccl.ep alone; reference: te_ep's torch.distributed backend; all_to_all, a2a_dedup: "
+                             "the baselines")
+    parser.add_argument("--modes", nargs="+", default=["staged", "zero_copy"], choices=list(MODES),
+                        help="nccl_ep_mode of the te_ep rows (and the modes of the nccl.ep rows)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cuda: NCCL, one GPU per rank; cpu: gloo, tests the script (NCCL EP rows skipped)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed iterations (the first compiles NCCL EP kernels)")
     parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--alignment", type=int, default=1, help="per-expert zone alignment of te_ep handles")
+    parser.add_argument("--alignment", type=int, default=1,
+                        help="per-expert zone alignment of te_ep, nccl.ep and a2a_dedup (all_to_all doesn't pad)")
     parser.add_argument("--worst-case-capacity", action="store_true",
-                        help="size te_ep receive buffers for the worst case instead of this routing + 10%%")
+                        help="size receive buffers for the worst case instead of this routing + 10%%")
     parser.add_argument("--nccl-ep-env", nargs="+", default=None, metavar="SPEC",
-                        help="time nccl_ep once per SPEC: 'default', or NAME=VALUE[,NAME=VALUE...] set while its "
-                             "group is created (e.g. TE_EP_NCCL_EP_SMS=32 or NCCL_EP_HT_EM_LOCAL_DUP=1); "
-                             "rows are labelled nccl_ep[SPEC]")
-    parser.add_argument("--csv", help="also write the rows to this CSV file (rank 0)")
+                        help="time te_ep and nccl.ep once per SPEC: 'default', or NAME=VALUE[,NAME=VALUE...] set "
+                             "while their groups are created (e.g. NCCL_EP_COMM_SMS=32 or "
+                             "NCCL_EP_HT_EM_LOCAL_DUP=1); rows are labelled te_ep/MODE[SPEC], nccl.ep/MODE[SPEC]")
+    parser.add_argument("--csv", help="also write the rows to this CSV file (rank 0), rewritten after each shape")
     args = parser.parse_args()
+    if args.warmup < 0 or args.iters < 1:
+        parser.error("--warmup must be >= 0 and --iters >= 1")
+    if args.alignment < 1 or args.alignment & (args.alignment - 1):
+        parser.error(f"--alignment must be a power of two, got {args.alignment}")
+    for spec in args.nccl_ep_env or []:
+        parse_env(spec)
 
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank)
-    dist.init_process_group("nccl", device_id=device)
+    device = init_distributed(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
-
     copy_gbps = peer_copy_gbps(device)
-    rows = []
+    if rank == 0:
+        print(f"{world} ranks on {device.type}; torch {torch.__version__}")
+        if device.type == "cuda":
+            print("\n".join(nccl_ep_versions(args)))
+        print(f"GPU-to-GPU copy (cuda:0 -> cuda:1, one direction): {copy_gbps or float('nan'):.1f} GB/s", flush=True)
+    all_rows = []
     for key in args.shapes:
         shape = SHAPES[key]
         if rank == 0:
             print(f"running {shape.label()} ...", flush=True)
-        rows += run_shape(shape, args, world, rank, device, copy_gbps)
-
-    if rank == 0:
-        print_table(rows, copy_gbps)
-        if args.csv:
-            with open(args.csv, "w", newline="") as f:
-                fields = list(dict.fromkeys(k for row in rows for k in row))
-                writer = csv.DictWriter(f, fieldnames=fields)
-                writer.writeheader()
-                writer.writerows(rows)
+        rows, skipped = run_shape(shape, args, world, rank, device, copy_gbps)
+        all_rows += rows
+        if rank == 0:
+            print_table(rows, skipped)
+            if args.csv and all_rows:
+                with open(args.csv, "w", newline="") as f:
+                    writer = csv.DictWriter(f, fieldnames=list(all_rows[0]))
+                    writer.writeheader()
+                    writer.writerows(all_rows)
+            sys.stdout.flush()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -7,7 +7,7 @@ both call registered ops only, so they trace under ``torch.compile``.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -36,7 +36,7 @@ class DispatchOutput(NamedTuple):
 
 
 def _check_generation(handle: EpHandle, generation: int, what: str) -> None:
-    if handle._generation != generation:
+    if handle.generation != generation:
         raise RuntimeError(
             f"te_ep: the backward of {what} ran after handle {handle.id} was prepared again; a handle holds only "
             "its latest routing, so give each call site its own handle (EpGroup.create_handle) or run backward "
@@ -51,7 +51,7 @@ class _Dispatch(torch.autograd.Function):
             tokens, topk_weights, handle.handle_mem, handle.group.group_name, handle.id, handle.config.capacity
         )
         ctx.handle = handle
-        ctx.generation = handle._generation
+        ctx.generation = handle.generation
         ctx.num_tokens = tokens.shape[0]
         ctx.save_for_backward(handle.handle_mem)
         return recv, weights
@@ -79,7 +79,7 @@ class _Combine(torch.autograd.Function):
     def forward(ctx, expert_out: Tensor, handle: EpHandle, num_tokens: int):
         out = ops.combine(expert_out, handle.handle_mem, handle.group.group_name, handle.id, num_tokens)
         ctx.handle = handle
-        ctx.generation = handle._generation
+        ctx.generation = handle.generation
         ctx.save_for_backward(handle.handle_mem)
         return out
 
@@ -95,7 +95,13 @@ class _Combine(torch.autograd.Function):
         return grad_expert_out, None, None
 
 
-def ep_dispatch(handle: EpHandle, tokens: Tensor, topk_idx: Tensor, topk_weights: Tensor) -> DispatchOutput:
+def ep_dispatch(
+    handle: EpHandle,
+    tokens: Tensor,
+    topk_idx: Tensor,
+    topk_weights: Tensor,
+    prepared: Optional[Tuple[Tensor, Tensor]] = None,
+) -> DispatchOutput:
     """Routes ``tokens [T, H]`` to their experts (collective; prepare + dispatch).
 
     Args:
@@ -103,11 +109,14 @@ def ep_dispatch(handle: EpHandle, tokens: Tensor, topk_idx: Tensor, topk_weights
         tokens: ``[T, H]`` in the handle's dtype, ``T <= max_tokens_per_rank``.
         topk_idx: ``[T, K]`` int64/int32 global expert ids, ``-1`` = dropped choice.
         topk_weights: ``[T, K]`` float32 routing weights (differentiable).
+        prepared: the result of ``handle.prepare(topk_idx)`` when the caller started the
+            routing exchange earlier (e.g. as soon as ``topk_idx`` was known); ``None``
+            prepares here.
 
     Returns:
         :class:`DispatchOutput`; gradients flow back to ``tokens`` and ``topk_weights``.
     """
-    counts, total = handle.prepare(topk_idx)
+    counts, total = handle.prepare(topk_idx) if prepared is None else prepared
     recv, weights = _Dispatch.apply(tokens, topk_weights, handle)
     return DispatchOutput(recv, weights, counts, total)
 

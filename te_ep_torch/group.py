@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import warnings
 import weakref
-from typing import Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -13,15 +15,18 @@ from torch import Tensor
 
 from . import ops
 
-__all__ = ["EpGroup", "EpHandle", "HandleConfig", "BACKENDS"]
+__all__ = ["EpGroup", "EpHandle", "HandleConfig", "BACKENDS", "NCCL_EP_MODES"]
 
 BACKENDS = ("auto", "reference", "nccl_ep")
+NCCL_EP_MODES = ("auto", "zero_copy", "staged")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
+_log = logging.getLogger("te_ep_torch")
+_modes_logged: set = set()
 
-# NCCL EP moves per-expert routing weights in 16-byte units (create_handle refuses others;
-# kNcclEpCountMultiple in csrc/torch/nccl_ep_ops.cpp).
-NCCL_EP_EXPERT_MULTIPLE = 4
+# NCCL EP moves per-expert routing weights in 16-byte units; create_handle refuses other
+# expert counts (the constant lives in csrc/torch/backend.h).
+NCCL_EP_EXPERT_MULTIPLE = int(torch.ops.te_ep._nccl_ep_expert_multiple())
 
 
 def _auto_backend(device: torch.device, num_experts: int) -> str:
@@ -82,6 +87,15 @@ class EpGroup:
             where it is usable, else ``reference``).
         device: device of the handles' buffers; defaults to the current CUDA
             device for an NCCL group and to CPU otherwise.
+        nccl_ep_mode: how the ``nccl_ep`` backend moves tokens (docs/nccl_ep.md,
+            "Modes"): ``"staged"`` (through NCCL EP's own buffers into tensors from
+            the caching allocator; the default: the faster one for a training step
+            with NCCL EP 0.2.0), ``"zero_copy"`` (receive and combine rows in NCCL
+            symmetric windows owned by each handle: a 3x faster ``prepare`` and a
+            faster dispatch, a slower ``dispatch_bwd``) or ``"auto"`` (zero-copy where
+            every rank can allocate window memory, else staged, with a warning). Each
+            handle reports the mode it runs in (:attr:`EpHandle.mode`). ``None`` reads
+            ``$TE_EP_NCCL_EP_MODE``, default ``"staged"``.
     """
 
     def __init__(
@@ -92,12 +106,17 @@ class EpGroup:
         max_tokens_per_rank: int,
         backend: str = "auto",
         device: Optional[Union[torch.device, str]] = None,
+        nccl_ep_mode: Optional[str] = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("EpGroup: torch.distributed is not initialized; call init_process_group first")
         pg = process_group if process_group is not None else dist.group.WORLD
         if backend not in BACKENDS:
             raise ValueError(f"EpGroup: backend must be one of {BACKENDS}, got {backend!r}")
+        if nccl_ep_mode is None:
+            nccl_ep_mode = os.environ.get("TE_EP_NCCL_EP_MODE", "staged")
+        if nccl_ep_mode not in NCCL_EP_MODES:
+            raise ValueError(f"EpGroup: nccl_ep_mode must be one of {NCCL_EP_MODES}, got {nccl_ep_mode!r}")
         ep_size = dist.get_world_size(pg)
         if not isinstance(num_experts, int) or num_experts <= 0:
             raise ValueError(f"EpGroup: num_experts must be a positive int, got {num_experts!r}")
@@ -130,6 +149,7 @@ class EpGroup:
         self.max_tokens_per_rank: int = max_tokens_per_rank
         self.backend: str = backend
         self.device: torch.device = dev
+        self.nccl_ep_mode: str = nccl_ep_mode
         self._handles: "weakref.WeakValueDictionary[int, EpHandle]" = weakref.WeakValueDictionary()
         self._closed = False
 
@@ -140,12 +160,46 @@ class EpGroup:
             f"backend={self.backend!r}, device={self.device})"
         )
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`shutdown` ran."""
+        return self._closed
+
     def worst_case_capacity(self, top_k: int, alignment: int = 1) -> int:
         """Receive rows that no routing can overflow (the default capacity)."""
-        # Mirrored by worst_case_rows in csrc/torch/nccl_ep_ops.cpp (picks NCCL EP's overflow policy).
-        return self.ep_size * self.max_tokens_per_rank * min(top_k, self.num_local_experts) + self.num_local_experts * (
-            alignment - 1
-        )
+        return ops.worst_case_capacity(self.ep_size, self.max_tokens_per_rank, top_k, self.num_local_experts, alignment)
+
+    def capacity_for(self, topk_idx: Tensor, alignment: int = 1, headroom: float = 0.1) -> int:
+        """A capacity fitted to a measured routing (collective).
+
+        Returns the receive rows the routing ``topk_idx [T, K]`` of this rank needs on the
+        busiest rank, zone padding included, plus ``headroom`` (a fraction), at least
+        NCCL EP's floor and at most :meth:`worst_case_capacity`. Measure it on a few
+        representative batches (e.g. the largest of the first steps' values); a later step
+        that needs more raises ``capacity overflow`` (docs/ops.md). A smaller capacity
+        means smaller receive windows and buffers (:meth:`EpHandle.memory`).
+        """
+        if topk_idx.dim() != 2:
+            raise ValueError(f"capacity_for: topk_idx must be 2-D [T, K], got shape {tuple(topk_idx.shape)}")
+        if not _is_power_of_two(alignment):
+            raise ValueError(f"capacity_for: alignment must be a power of two, got {alignment!r}")
+        if headroom < 0:
+            raise ValueError(f"capacity_for: headroom must be >= 0, got {headroom!r}")
+        top_k = topk_idx.shape[1]
+        idx = topk_idx.to(self.device, torch.int64)
+        valid = idx >= 0
+        if bool(((idx < -1) | (idx >= self.num_experts)).any()):
+            raise ValueError(f"capacity_for: topk_idx holds expert ids outside [-1, {self.num_experts})")
+        # A token counts once per distinct expert (the backends merge repeated ids).
+        token = torch.arange(idx.shape[0], device=idx.device).unsqueeze(1).expand_as(idx)
+        pairs = torch.unique(token[valid] * self.num_experts + idx[valid])
+        counts = torch.bincount(pairs % self.num_experts, minlength=self.num_experts).to(torch.int64)
+        dist.all_reduce(counts, group=self.process_group)
+        padded = (counts + alignment - 1) // alignment * alignment
+        need = int(padded.view(self.ep_size, self.num_local_experts).sum(dim=1).max())
+        floor = -(-self.max_tokens_per_rank // NCCL_EP_EXPERT_MULTIPLE) * NCCL_EP_EXPERT_MULTIPLE
+        fitted = max(floor, int(need * (1.0 + headroom)) + 1)
+        return min(fitted, max(floor, self.worst_case_capacity(top_k, alignment)))
 
     def create_handle(
         self,
@@ -235,16 +289,47 @@ class EpHandle:
             config.alignment,
             config.dtype,
             group.device,
+            group.nccl_ep_mode,
         )
         self._generation = 0
         self._alive = True
+        self.mode, self.mode_reason, self._window_bytes, self._handle_mem_bytes = ops.handle_info(self.id)
+        _log_mode_once(group, self)
 
     def __repr__(self) -> str:
-        return f"EpHandle(id={self.id}, {self.config}, group={self.group.group_name!r})"
+        return f"EpHandle(id={self.id}, mode={self.mode!r}, {self.config}, group={self.group.group_name!r})"
 
     @property
     def alive(self) -> bool:
         return self._alive
+
+    @property
+    def generation(self) -> int:
+        """How many times the handle was prepared (eagerly); autograd checks it in backward."""
+        return self._generation
+
+    def memory(self) -> Dict[str, int]:
+        """Device bytes this handle holds for its whole life.
+
+        ``window_bytes``: NCCL symmetric windows (zero-copy mode: the receive rows and the
+        combine rows, ``2 * capacity * hidden * element size``; 0 otherwise);
+        ``handle_mem_bytes``: the routing state. Staged and reference handles allocate
+        their receive buffers per call from the caching allocator instead.
+        """
+        return {"window_bytes": self._window_bytes, "handle_mem_bytes": self._handle_mem_bytes}
+
+    def combine_buffer(self) -> Optional[Tensor]:
+        """Zero-copy mode: the ``[capacity, hidden]`` tensor that combine reads from.
+
+        Writing the (weighted) expert output into it, e.g. ``torch.mul(y, w, out=buf)``,
+        makes :func:`ep_combine` of ``buf`` skip its copy into the window. Combine consumes
+        the buffer's content (NCCL EP reduces inside it), and it is rewritten by this
+        handle's next combine, ``combine_bwd`` and ``dispatch_bwd`` (docs/ops.md, "Lifetime
+        of returned tensors"). ``None`` in the staged and reference modes, where combine
+        reads any tensor directly.
+        """
+        self.group._check_open()
+        return ops.combine_buffer(self.id)
 
     def prepare(self, topk_idx: Tensor) -> Tuple[Tensor, Tensor]:
         """Exchanges this step's routing (collective).
@@ -252,7 +337,10 @@ class EpHandle:
         Returns ``(expert_counts, total)``: rows per local expert zone (alignment
         padding included, int32 ``[E_local]``) and their sum (int32 ``[1]``), on device.
         """
-        if not torch.compiler.is_compiling():
+        # A prepare inside a running backward is activation checkpointing recomputing
+        # this layer's forward: the same routing again, which the original graph's
+        # backward nodes (made at the older generation) may use.
+        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() == -1:
             self._generation += 1
         return ops.prepare(topk_idx, self.handle_mem, self.group.group_name, self.id, self.group.num_local_experts)
 
@@ -263,3 +351,13 @@ class EpHandle:
             ops.destroy_handle(self.id)
 
 
+def _log_mode_once(group: EpGroup, handle: EpHandle) -> None:
+    """Says once per process and mode how nccl_ep handles move tokens; warns on a fallback."""
+    if handle.mode == "reference" or (group.group_name, handle.mode) in _modes_logged:
+        return
+    _modes_logged.add((group.group_name, handle.mode))
+    if handle.mode == "staged" and group.nccl_ep_mode == "auto":
+        warnings.warn(f"te_ep_torch: nccl_ep handles of group {group.group_name!r} run staged: {handle.mode_reason}")
+    else:
+        _log.info("te_ep_torch: nccl_ep handles of group %r run %s (%s)", group.group_name, handle.mode,
+                  handle.mode_reason)

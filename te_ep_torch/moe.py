@@ -14,7 +14,7 @@ Output shapes never depend on routing values: the layer traces under
 
 from __future__ import annotations
 
-from typing import Dict, NamedTuple, Optional
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -179,12 +179,19 @@ class TopKRouter(nn.Module):
 
         return funcol.all_reduce(t, "sum", self.process_group)
 
-    def forward(self, x: Tensor) -> RouterOutput:
-        """Routes ``x [T, hidden]``."""
+    def forward(self, x: Tensor, on_select: Optional[Callable[[Tensor], None]] = None) -> RouterOutput:
+        """Routes ``x [T, hidden]``.
+
+        ``on_select(topk_idx)`` runs as soon as the expert choice is known, before the
+        weights, the load statistics and the auxiliary loss: the MoE layer starts the
+        routing exchange (``prepare``) there so that the rest of the router runs behind it.
+        """
         logits = F.linear(x.float(), self.weight.float())
         scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
         select = scores if self.expert_bias is None else scores + self.expert_bias
         topk_idx = select.detach().topk(self.top_k, dim=-1).indices
+        if on_select is not None:
+            on_select(topk_idx)
         topk_weights = scores.gather(1, topk_idx)
         if self.normalize_weights:
             topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
@@ -477,11 +484,11 @@ class MoE(nn.Module):
     def forward(self, x: Tensor, return_aux_loss: bool = False):
         shape = x.shape
         tokens = x.reshape(-1, self.hidden)
-        routing = self.router(tokens)
         if self._ep_group is None:
+            routing = self.router(tokens)
             y = self._experts_local(tokens, routing)
         else:
-            y = self._experts_ep(tokens, routing)
+            routing, y = self._experts_ep(tokens)
         if self.shared_expert is not None:
             y = y + self.shared_expert(tokens)
         self.aux_loss = routing.aux_loss
@@ -506,16 +513,24 @@ class MoE(nn.Module):
         y = self._weighted_experts(rows, row_weights, perm_map.expert_counts)
         return unpermute(y, perm_map)
 
-    def _experts_ep(self, tokens: Tensor, routing: RouterOutput) -> Tensor:
+    def _experts_ep(self, tokens: Tensor) -> Tuple[RouterOutput, Tensor]:
         handle = self._handles.get(tokens.dtype)
         if handle is None:
             raise RuntimeError(
                 f"MoE: no expert-parallel handle for {tokens.dtype} tokens (have {sorted(map(str, self._handles))}); "
                 f"call enable_expert_parallel(ep_group, dtype={tokens.dtype}) first"
             )
-        out = ep_dispatch(handle, tokens, routing.topk_idx, routing.topk_weights)
-        y = self._weighted_experts(out.tokens, out.weights, out.expert_counts)
-        return ep_combine(handle, y, tokens.shape[0])
+        prepared = []
+        routing = self.router(tokens, on_select=lambda topk_idx: prepared.append(handle.prepare(topk_idx)))
+        out = ep_dispatch(handle, tokens, routing.topk_idx, routing.topk_weights, prepared=prepared[0])
+        y = self.experts(out.tokens, out.expert_counts)
+        if handle.mode == "zero_copy" and not torch.compiler.is_compiling():
+            # The weighting writes straight into the window combine reads. Under
+            # torch.compile the plain expression runs and combine copies it in.
+            y = _WeightedIntoBuffer.apply(y, out.weights, handle)
+        else:
+            y = (y.float() * out.weights.unsqueeze(1)).to(y.dtype)
+        return routing, ep_combine(handle, y, tokens.shape[0])
 
     @torch.no_grad()
     def update_expert_bias(self) -> Optional[Tensor]:
@@ -525,3 +540,23 @@ class MoE(nn.Module):
     def extra_repr(self) -> str:
         return f"ep_size={self.ep_size}"
 
+
+class _WeightedIntoBuffer(torch.autograd.Function):
+    """``(y.float() * w[:, None]).to(y.dtype)`` written into the handle's combine buffer.
+
+    Same values and gradients as the out-of-place expression. Combine consumes the
+    buffer, so the product is not saved; backward needs only ``y`` and ``w``.
+    """
+
+    @staticmethod
+    def forward(ctx, y: Tensor, w: Tensor, handle) -> Tensor:
+        buffer = handle.combine_buffer()
+        torch.mul(y.float(), w.unsqueeze(1), out=buffer)
+        ctx.save_for_backward(y, w)
+        return buffer
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        y, w = ctx.saved_tensors
+        g = grad.float()
+        return (g * w.unsqueeze(1)).to(y.dtype), (g * y.float()).sum(dim=1), None

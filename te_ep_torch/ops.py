@@ -7,7 +7,7 @@ arguments alone, so ``torch.compile`` never needs the process group.
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -21,6 +21,9 @@ __all__ = [
     "create_handle",
     "destroy_handle",
     "live_handles",
+    "handle_info",
+    "combine_buffer",
+    "worst_case_capacity",
     "prepare",
     "dispatch",
     "combine",
@@ -40,10 +43,12 @@ def create_handle(
     alignment: int,
     dtype: torch.dtype,
     device: torch.device,
+    nccl_ep_mode: str = "staged",
 ) -> Tuple[int, Tensor]:
     """Registers a per-layer handle; returns ``(handle_id, handle_mem)``."""
     return torch.ops.te_ep.create_handle(
-        group_name, backend, num_experts, max_tokens_per_rank, top_k, hidden, capacity, alignment, dtype, device
+        group_name, backend, num_experts, max_tokens_per_rank, top_k, hidden, capacity, alignment, dtype, device,
+        nccl_ep_mode,
     )
 
 
@@ -55,6 +60,23 @@ def destroy_handle(handle_id: int) -> None:
 def live_handles() -> List[int]:
     """Ids of the handles alive in this process."""
     return list(torch.ops.te_ep.live_handles())
+
+
+def handle_info(handle_id: int) -> Tuple[str, str, int, int]:
+    """``(mode, mode_reason, window_bytes, handle_mem_bytes)`` of a live handle."""
+    mode, reason, window_bytes, handle_mem_bytes = torch.ops.te_ep.handle_info(handle_id)
+    return mode, reason, int(window_bytes), int(handle_mem_bytes)
+
+
+def combine_buffer(handle_id: int) -> Optional[Tensor]:
+    """The zero-copy combine window of a handle, ``None`` in the other modes."""
+    return torch.ops.te_ep.combine_buffer(handle_id)
+
+
+def worst_case_capacity(ep_size: int, max_tokens_per_rank: int, top_k: int, num_local_experts: int,
+                        alignment: int) -> int:
+    """Receive rows that no routing can overflow (one formula, in csrc/common/routing.cpp)."""
+    return int(torch.ops.te_ep.worst_case_capacity(ep_size, max_tokens_per_rank, top_k, num_local_experts, alignment))
 
 
 def prepare(

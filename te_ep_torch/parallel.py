@@ -80,7 +80,7 @@ def ep_group_for(
         pg = mesh_or_group if mesh_or_group is not None else dist.group.WORLD
     key = (pg.group_name, num_experts, max_tokens_per_rank, backend, None if device is None else str(device))
     group = _EP_GROUPS.get(key)
-    if group is None or group._closed:
+    if group is None or group.closed:
         group = EpGroup(
             pg, num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank, backend=backend, device=device
         )

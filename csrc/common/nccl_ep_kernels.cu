@@ -1,8 +1,9 @@
 // Small kernels around NCCL EP calls: overflow bookkeeping after prepare,
-// zeroing of unused receive rows, and the debug routing check. Each is one
+// zeroing of unused receive rows, copies into zero-copy windows, and the
+// debug routing check. Each is one
 // launch on the caller's stream, with no host synchronisation, so the ops stay
 // capturable in a CUDA graph.
-#include "common/nccl_ep_backend.h"
+#include "common/nccl_ep_wrap.h"
 
 #if TE_EP_WITH_CUDA && TE_EP_WITH_NCCL_EP
 
@@ -56,16 +57,39 @@ __global__ void finish_prepare_kernel(HandleState* state, int32_t* counts, int64
 }
 
 __global__ void zero_unused_rows_kernel(const HandleState* state, uint4* rows, int64_t vecs_per_row,
-                                        float* weights, int64_t capacity) {
+                                        float* weights, int64_t capacity, const int32_t* dirty_rows) {
   const int64_t first_row = min(static_cast<int64_t>(state->total), capacity);
+  const int64_t end_row = dirty_rows == nullptr ? capacity : min(static_cast<int64_t>(*dirty_rows), capacity);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t start = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t vecs = (capacity - first_row) * vecs_per_row;
+  const int64_t vecs = max(end_row - first_row, int64_t{0}) * vecs_per_row;
   uint4* base = rows + first_row * vecs_per_row;
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
   for (int64_t i = start; i < vecs; i += stride) base[i] = zero;
   if (weights != nullptr) {
     for (int64_t i = first_row + start; i < capacity; i += stride) weights[i] = 0.0f;
+  }
+}
+
+// Runs after zero_unused_rows_kernel on the same stream: every block of that
+// grid has read *dirty_rows by then.
+__global__ void lower_dirty_rows_kernel(const HandleState* state, int32_t* dirty_rows, int64_t capacity) {
+  *dirty_rows = static_cast<int32_t>(min(static_cast<int64_t>(state->total), capacity));
+}
+
+__global__ void mark_dirty_rows_kernel(const HandleState* state, int32_t* dirty_rows, int64_t capacity,
+                                       bool whole) {
+  const int64_t rows = whole ? capacity : max(static_cast<int64_t>(*dirty_rows), static_cast<int64_t>(state->total));
+  *dirty_rows = static_cast<int32_t>(min(rows, capacity));
+}
+
+__global__ void copy_used_rows_kernel(const HandleState* state, const uint4* src, uint4* dst, int64_t vecs_per_row,
+                                      int64_t capacity) {
+  const int64_t rows = min(static_cast<int64_t>(state->total), capacity);
+  const int64_t vecs = rows * vecs_per_row;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < vecs; i += stride) {
+    dst[i] = src[i];
   }
 }
 
@@ -108,12 +132,31 @@ void launch_finish_prepare(HandleState* state, int32_t* expert_counts, int64_t n
 }
 
 void launch_zero_unused_rows(const HandleState* state, void* rows, int64_t row_bytes, float* recv_weights,
-                             int64_t capacity, cudaStream_t stream) {
+                             int64_t capacity, int32_t* dirty_rows, cudaStream_t stream) {
   if (capacity == 0) return;
   const int64_t vecs_per_row = row_bytes / static_cast<int64_t>(sizeof(uint4));
   zero_unused_rows_kernel<<<zero_fill_blocks(capacity * vecs_per_row), 256, 0, stream>>>(
-      state, static_cast<uint4*>(rows), vecs_per_row, recv_weights, capacity);
+      state, static_cast<uint4*>(rows), vecs_per_row, recv_weights, capacity, dirty_rows);
   check_launch("zero_unused_rows_kernel");
+  if (dirty_rows != nullptr) {
+    lower_dirty_rows_kernel<<<1, 1, 0, stream>>>(state, dirty_rows, capacity);
+    check_launch("lower_dirty_rows_kernel");
+  }
+}
+
+void launch_mark_dirty_rows(const HandleState* state, int32_t* dirty_rows, int64_t capacity, bool whole,
+                            cudaStream_t stream) {
+  mark_dirty_rows_kernel<<<1, 1, 0, stream>>>(state, dirty_rows, capacity, whole);
+  check_launch("mark_dirty_rows_kernel");
+}
+
+void launch_copy_used_rows(const HandleState* state, const void* src, void* dst, int64_t row_bytes, int64_t capacity,
+                           cudaStream_t stream) {
+  if (capacity == 0) return;
+  const int64_t vecs_per_row = row_bytes / static_cast<int64_t>(sizeof(uint4));
+  copy_used_rows_kernel<<<zero_fill_blocks(capacity * vecs_per_row), 256, 0, stream>>>(
+      state, static_cast<const uint4*>(src), static_cast<uint4*>(dst), vecs_per_row, capacity);
+  check_launch("copy_used_rows_kernel");
 }
 
 void launch_check_routing(const void* topk_idx, bool is_int64, int64_t num_tokens, int64_t top_k,

@@ -223,6 +223,10 @@ const RuntimeInfo& load(const std::string& nccl_ep_lib, const std::string& nccl_
   resolve(ep, "ncclGetUniqueId", &api.GetUniqueId, nccl_ep_lib);
   resolve(ep, "ncclCommInitRank", &api.CommInitRank, nccl_ep_lib);
   resolve(ep, "ncclCommDestroy", &api.CommDestroy, nccl_ep_lib);
+  resolve(ep, "ncclMemAlloc", &api.MemAlloc, nccl_ep_lib);
+  resolve(ep, "ncclMemFree", &api.MemFree, nccl_ep_lib);
+  resolve(ep, "ncclCommWindowRegister", &api.CommWindowRegister, nccl_ep_lib);
+  resolve(ep, "ncclCommWindowDeregister", &api.CommWindowDeregister, nccl_ep_lib);
   resolve(ep, "ncclEpGetVersion", &api.EpGetVersion, nccl_ep_lib);
   resolve(ep, "ncclEpCreateGroup", &api.EpCreateGroup, nccl_ep_lib);
   resolve(ep, "ncclEpGroupDestroy", &api.EpGroupDestroy, nccl_ep_lib);

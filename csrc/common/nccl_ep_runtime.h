@@ -30,6 +30,11 @@ struct Api {
   decltype(&::ncclGetUniqueId) GetUniqueId = nullptr;
   decltype(&::ncclCommInitRank) CommInitRank = nullptr;
   decltype(&::ncclCommDestroy) CommDestroy = nullptr;
+  // Symmetric windows of the zero-copy mode (NCCL >= 2.27).
+  decltype(&::ncclMemAlloc) MemAlloc = nullptr;
+  decltype(&::ncclMemFree) MemFree = nullptr;
+  decltype(&::ncclCommWindowRegister) CommWindowRegister = nullptr;
+  decltype(&::ncclCommWindowDeregister) CommWindowDeregister = nullptr;
 
   decltype(&::ncclEpGetVersion) EpGetVersion = nullptr;
   decltype(&::ncclEpCreateGroup) EpCreateGroup = nullptr;

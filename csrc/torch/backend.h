@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -26,6 +27,9 @@ struct HandleConfig {
   at::Device device = at::Device(at::kCPU);
   int64_t ep_size = 0;
   int64_t rank = 0;
+  // nccl_ep only: "staged", "zero_copy" or "auto" (zero-copy where symmetric
+  // windows can be had); docs/nccl_ep.md.
+  std::string nccl_ep_mode = "staged";
 
   int64_t num_local_experts() const { return num_experts / ep_size; }
 };
@@ -36,6 +40,16 @@ class Backend {
 
   // Device buffer that holds the routing state of the handle.
   virtual at::Tensor allocate_handle_mem() = 0;
+
+  // How the handle moves tokens: "reference", "staged" or "zero_copy", and why.
+  virtual std::string mode() const = 0;
+  virtual std::string mode_reason() const { return ""; }
+  // Bytes of communication windows the handle holds (zero-copy mode).
+  virtual int64_t window_bytes() const { return 0; }
+  // Zero-copy mode: the window combine reads its input from ([capacity,
+  // hidden]); an expert output written there is combined without a copy.
+  // Undefined in the other modes.
+  virtual at::Tensor combine_buffer() { return at::Tensor(); }
 
   // Collective: every rank passes its own local argument error ("" if none);
   // if any rank has one, every rank throws a message naming the failing
@@ -62,8 +76,32 @@ class Backend {
 
 std::unique_ptr<Backend> make_reference_backend(const HandleConfig& cfg);
 
-// Defined by the NCCL EP adapter; throws a clear error when the package was
-// built without CUDA or NCCL EP can't be loaded.
+// NCCL EP's high-throughput kernels fetch routing rows and per-expert
+// weights with 16-byte copies and assert (aborting the process) that
+// max_tokens * top_k and num_experts are multiples of 4 entries.
+constexpr int64_t kNcclEpExpertMultiple = 4;
+
+// ---- the nccl_ep backend (nccl_ep_backend.cpp; stubs in builds without it,
+// nccl_ep_private_ops.cpp) ---------------------------------------------------
+
+// Throws a clear error when the package was built without CUDA or NCCL EP
+// can't be loaded.
 std::unique_ptr<Backend> make_nccl_ep_backend(const HandleConfig& cfg);
+
+// Opens libnccl_ep and NCCL (see nccl_ep_runtime.h); a one-line description.
+std::string load_nccl_ep(const std::string& nccl_ep_lib, const std::string& nccl_lib);
+bool nccl_ep_built();
+// From interpreter exit on, destructors skip NCCL and CUDA calls.
+void nccl_ep_mark_exiting();
+
+// Drops the NCCL EP groups and the NCCL communicator that the nccl_ep backend
+// created for the torch process group `group_name`. Groups that no handle uses
+// are destroyed now; a group still used by a live handle is destroyed when
+// its last handle is, and the communicator (with its windows) after its last
+// group. Collective (ncclEpGroupDestroy, window deregistration and
+// ncclCommDestroy are): call it on every rank of the group, from the group
+// shutdown path, before the process group itself is destroyed. A no-op for
+// groups the backend never saw, and in builds without NCCL EP.
+void release_nccl_ep_group(const std::string& group_name);
 
 }  // namespace te_ep

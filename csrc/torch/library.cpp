@@ -10,10 +10,18 @@ TORCH_LIBRARY(te_ep, m) {
   // that holds the routing state written by `prepare`.
   m.def(
       "create_handle(str group_name, str backend, int num_experts, int max_tokens_per_rank, "
-      "int top_k, int hidden, int capacity, int alignment, ScalarType dtype, Device device) "
-      "-> (int, Tensor)");
+      "int top_k, int hidden, int capacity, int alignment, ScalarType dtype, Device device, "
+      "str nccl_ep_mode=\"staged\") -> (int, Tensor)");
   m.def("destroy_handle(int handle_id) -> ()");
   m.def("live_handles() -> int[]");
+  // How a handle moves tokens ("reference", "staged", "zero_copy"), why, and
+  // the device bytes it holds: communication windows and handle memory.
+  m.def("handle_info(int handle_id) -> (str mode, str mode_reason, int window_bytes, int handle_mem_bytes)");
+  // Zero-copy mode: the [capacity, hidden] window combine reads from; None otherwise.
+  m.def("combine_buffer(int handle_id) -> Tensor?");
+  // Receive rows no routing can exceed (the default capacity).
+  m.def("worst_case_capacity(int ep_size, int max_tokens_per_rank, int top_k, int num_local_experts, "
+        "int alignment) -> int");
 
   // ---- expert-parallel communication ---------------------------------------
   m.def(
@@ -75,5 +83,7 @@ TORCH_LIBRARY(te_ep, m) {
   m.def("_nccl_ep_at_exit() -> ()");
   // Collective: drops the NCCL EP groups and communicator of a torch group.
   m.def("_nccl_ep_release_group(str group_name) -> ()");
+  // num_experts must be a multiple of this on nccl_ep.
+  m.def("_nccl_ep_expert_multiple() -> int");
   // END nccl_ep schemas
 }

@@ -48,6 +48,8 @@ class ReferenceBackend final : public Backend {
   explicit ReferenceBackend(const HandleConfig& cfg)
       : cfg_(cfg), pg_(c10d::resolve_process_group(cfg.group_name)), buckets_(cfg.ep_size * cfg.num_local_experts()) {}
 
+  std::string mode() const override { return "reference"; }
+
   at::Tensor allocate_handle_mem() override {
     const int64_t n = kHeader + 2 * buckets_ + cfg_.max_tokens_per_rank * cfg_.top_k;
     return at::zeros({n}, at::TensorOptions().dtype(at::kLong).device(cfg_.device));

@@ -31,6 +31,8 @@ WORLD = 1
 DEVICE = None
 GROUP = ""
 RESULTS = []
+# The nccl_ep mode every handle of the smoke test uses (docs/nccl_ep.md, "Modes").
+MODE = os.environ.get("TE_EP_NCCL_EP_MODE", "staged")
 
 
 def log(msg: str) -> None:
@@ -74,7 +76,7 @@ class Case:
         self.T = tokens_per_rank[RANK]
         self.all_T = list(tokens_per_rank)
         self.id, self.mem = OPS.create_handle(GROUP, "nccl_ep", self.E, self.maxT, self.K, self.H, self.capacity,
-                                              self.align, self.dtype, DEVICE)
+                                              self.align, self.dtype, DEVICE, MODE)
         gen = torch.Generator().manual_seed(seed * 1000 + RANK)
         scores = torch.rand(self.T, self.E, generator=gen)
         idx = scores.topk(self.K, dim=1).indices if idx is None else idx
@@ -187,6 +189,9 @@ def check_forward_backward(case: Case) -> None:
     case.check_counts(counts, total)
     recv, recv_w = case.dispatch()
     case.check_dispatch(recv, recv_w)
+    # In the zero-copy mode recv lives in the handle's window until its next
+    # dispatch (docs/ops.md), and this check dispatches again below.
+    recv = recv.clone()
 
     y = OPS.combine(case.expert_out(recv, recv_w), case.mem, GROUP, case.id, case.T)
     tol = case.tolerance()
@@ -221,24 +226,26 @@ def check_forward_backward(case: Case) -> None:
 
 
 def check_capacity_overflow() -> None:
-    # Every token of every rank goes to expert 0 (rank 0): rank 0 needs
-    # WORLD * T rows, twice its capacity. TE_EP_CHECK_ROUTING=1 raises on all.
+    # Every token of every rank goes to experts 0 and 1 (rank 0's): rank 0
+    # needs 2 * WORLD * T rows, at least twice its capacity. TE_EP_CHECK_ROUTING=1
+    # raises on all.
     os.environ["TE_EP_CHECK_ROUTING"] = "1"
-    # The routing the case checks at the end fits: each rank keeps its tokens.
-    fits = (RANK * 2 + torch.arange(32) % 2).view(32, 1)
+    # The routing the case checks at the end fits: each rank keeps its tokens,
+    # one of its own experts per token.
+    fits = torch.stack([RANK * 4 + torch.arange(32) % 2, torch.full((32,), -1)], dim=1)
     try:
-        case = Case(num_experts=2 * WORLD, max_tokens=32, top_k=1, hidden=256, dtype=torch.bfloat16, alignment=1,
+        case = Case(num_experts=4 * WORLD, max_tokens=32, top_k=2, hidden=256, dtype=torch.bfloat16, alignment=1,
                     tokens_per_rank=[32] * WORLD, capacity=32, seed=3, idx=fits)
     finally:
         del os.environ["TE_EP_CHECK_ROUTING"]
     try:
         try:
-            case.prepare(torch.zeros(32, 1, dtype=torch.int64))
+            case.prepare(torch.arange(2).repeat(32, 1))
         except RuntimeError as exc:
             assert "capacity overflow" in str(exc), f"unexpected error: {exc}"
         else:
             raise AssertionError("prepare did not raise on a capacity overflow")
-        bad = torch.zeros(32, 1, dtype=torch.int64)
+        bad = fits.clone()
         if RANK == WORLD - 1:
             bad[5, 0] = 10_000
         try:

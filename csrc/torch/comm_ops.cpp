@@ -167,13 +167,18 @@ void check_num_tokens(ArgCheck& check, HandleEntry& h, const at::Tensor& handle_
 
 std::tuple<int64_t, at::Tensor> create_handle(
     c10::string_view group_name, c10::string_view backend, int64_t num_experts, int64_t max_tokens_per_rank,
-    int64_t top_k, int64_t hidden, int64_t capacity, int64_t alignment, at::ScalarType dtype, at::Device device) {
+    int64_t top_k, int64_t hidden, int64_t capacity, int64_t alignment, at::ScalarType dtype, at::Device device,
+    c10::string_view nccl_ep_mode) {
   HandleConfig cfg;
   cfg.group_name = to_string(group_name);
   cfg.backend = to_string(backend);
+  cfg.nccl_ep_mode = to_string(nccl_ep_mode);
   TORCH_CHECK(
       cfg.backend == "reference" || cfg.backend == "nccl_ep",
       "te_ep.create_handle: backend must be 'reference' or 'nccl_ep', got '", cfg.backend, "'");
+  TORCH_CHECK(
+      cfg.nccl_ep_mode == "auto" || cfg.nccl_ep_mode == "zero_copy" || cfg.nccl_ep_mode == "staged",
+      "te_ep.create_handle: nccl_ep_mode must be 'auto', 'zero_copy' or 'staged', got '", cfg.nccl_ep_mode, "'");
   auto pg = c10d::resolve_process_group(cfg.group_name);
   cfg.ep_size = pg->getSize();
   cfg.rank = pg->getRank();
@@ -234,6 +239,28 @@ void destroy_handle(int64_t handle_id) {
     g_handles.erase(it);
     g_destroyed.emplace(handle_id, entry->cfg);
   }
+}
+
+std::tuple<std::string, std::string, int64_t, int64_t> handle_info(int64_t handle_id) {
+  auto h = lookup("handle_info", handle_id);
+  return {h->backend->mode(), h->backend->mode_reason(), h->backend->window_bytes(),
+          h->handle_mem_numel * static_cast<int64_t>(c10::elementSize(h->handle_mem_dtype))};
+}
+
+c10::optional<at::Tensor> combine_buffer(int64_t handle_id) {
+  at::Tensor buffer = lookup("combine_buffer", handle_id)->backend->combine_buffer();
+  if (!buffer.defined()) return c10::nullopt;
+  return buffer;
+}
+
+int64_t worst_case_capacity_op(
+    int64_t ep_size, int64_t max_tokens_per_rank, int64_t top_k, int64_t num_local_experts, int64_t alignment) {
+  TORCH_CHECK(ep_size > 0 && max_tokens_per_rank > 0 && top_k > 0 && num_local_experts > 0,
+              "te_ep.worst_case_capacity: sizes must be positive, got ep_size=", ep_size, ", max_tokens_per_rank=",
+              max_tokens_per_rank, ", top_k=", top_k, ", num_local_experts=", num_local_experts);
+  TORCH_CHECK(common::is_power_of_two(alignment), "te_ep.worst_case_capacity: alignment must be a power of two, got ",
+              alignment);
+  return common::worst_case_capacity(ep_size, max_tokens_per_rank, top_k, num_local_experts, alignment);
 }
 
 std::vector<int64_t> live_handles() {
@@ -337,6 +364,9 @@ TORCH_LIBRARY_IMPL(te_ep, CompositeExplicitAutograd, m) {
   m.impl("create_handle", &create_handle);
   m.impl("destroy_handle", &destroy_handle);
   m.impl("live_handles", &live_handles);
+  m.impl("handle_info", &handle_info);
+  m.impl("combine_buffer", &combine_buffer);
+  m.impl("worst_case_capacity", &worst_case_capacity_op);
 }
 
 // The adapters are device-agnostic: the handle's backend decides what runs.

@@ -3,15 +3,15 @@
 // Per step it launches NCCL EP and a few small kernels on the current CUDA
 // stream, allocates only through the torch caching allocator, and never waits
 // for the GPU, so prepare/dispatch/combine can be captured in a CUDA graph
-// (handles, and with them ncclEpInitHandle, are created before capture).
-// TE_EP_CHECK_ROUTING=1 trades that for synchronous checks agreed on by every
-// rank; see docs/nccl_ep.md.
-#include <torch/library.h>
-
+// (handles, their windows and ncclEpInitHandle are created before capture).
+// In the zero-copy mode the receive rows live in NCCL symmetric windows owned
+// by the handle; the tensors over them that the ops return stay valid as
+// docs/ops.md says. TE_EP_CHECK_ROUTING=1 trades the absence of host syncs for
+// synchronous checks agreed on by every rank; see docs/nccl_ep.md. Builds
+// without NCCL EP get the stand-ins of nccl_ep_private_ops.cpp instead.
 #include <string>
 
 #include "torch/backend.h"
-#include "torch/nccl_ep_backend.h"
 
 #if TE_EP_WITH_CUDA && TE_EP_WITH_NCCL_EP
 
@@ -31,8 +31,9 @@
 #include <tuple>
 #include <vector>
 
-#include "common/nccl_ep_backend.h"
 #include "common/nccl_ep_runtime.h"
+#include "common/nccl_ep_wrap.h"
+#include "common/routing.h"
 
 namespace te_ep {
 
@@ -42,26 +43,11 @@ namespace ne = nccl_ep;
 
 constexpr int64_t kRowAlignmentBytes = 16;
 
-// NCCL EP's high-throughput kernels fetch per-token routing rows of
-// max_dispatch_tokens_per_rank * top_k entries with 16-byte bulk copies and
-// assert that this product is a multiple of 4; per-expert weights likewise
-// need num_experts to be a multiple of 4.
-constexpr int64_t kNcclEpCountMultiple = 4;
-
 // The send budget we give NCCL EP: max_tokens_per_rank rounded up so that
-// the product above is a multiple of 4 for every top_k. A rank still passes
+// max_tokens_per_rank * top_k is a multiple of 4 for every top_k. A rank still passes
 // at most max_tokens_per_rank tokens; the extra rows are never used.
 int64_t nccl_ep_send_budget(int64_t max_tokens_per_rank) {
-  return (max_tokens_per_rank + kNcclEpCountMultiple - 1) / kNcclEpCountMultiple * kNcclEpCountMultiple;
-}
-
-// Receive rows no routing can exceed (EpGroup.worst_case_capacity): every
-// source token reaches at most min(top_k, local experts) of this rank's
-// experts (NCCL EP merges repeated ids of a row), and each expert's zone
-// pads by less than the alignment.
-int64_t worst_case_rows(const HandleConfig& cfg) {
-  const int64_t local = cfg.num_local_experts();
-  return cfg.ep_size * cfg.max_tokens_per_rank * std::min(cfg.top_k, local) + local * (cfg.alignment - 1);
+  return (max_tokens_per_rank + kNcclEpExpertMultiple - 1) / kNcclEpExpertMultiple * kNcclEpExpertMultiple;
 }
 
 ne::DType to_dtype(at::ScalarType type) {
@@ -152,11 +138,12 @@ struct GroupKey {
   int64_t capacity;
   int64_t max_token_bytes;
   bool can_overflow;
+  bool zero_copy;
 
   bool operator<(const GroupKey& other) const {
-    return std::tie(num_experts, max_tokens_per_rank, capacity, max_token_bytes, can_overflow) <
+    return std::tie(num_experts, max_tokens_per_rank, capacity, max_token_bytes, can_overflow, zero_copy) <
            std::tie(other.num_experts, other.max_tokens_per_rank, other.capacity, other.max_token_bytes,
-                    other.can_overflow);
+                    other.can_overflow, other.zero_copy);
   }
 };
 
@@ -200,6 +187,7 @@ class Registry {
       config.capacity = key.capacity;
       config.max_token_bytes = key.max_token_bytes;
       config.can_overflow = key.can_overflow;
+      config.zero_copy = key.zero_copy;
       group = entry.groups.emplace(key, std::make_shared<ne::Group>(entry.comm, config)).first;
     }
     return group->second;
@@ -224,15 +212,80 @@ Registry& registry() {
   return *instance;
 }
 
+// Tensors over memory the backend owns (a window): returned to the caller as
+// ordinary tensors. The backend remembers the last one handed out for each
+// window and bumps its version counter before the window is written again, so
+// a tensor that autograd saved and that the window no longer holds makes
+// backward raise ("modified by an inplace operation") instead of reading
+// another step's rows.
+class WindowRows {
+ public:
+  WindowRows() = default;
+  WindowRows(const ne::Communicator::Window& window, uint64_t offset, int64_t rows, int64_t hidden,
+             const at::TensorOptions& options)
+      : win_(window.win),
+        offset_(offset),
+        ptr_(static_cast<char*>(window.ptr) + offset),
+        rows_(rows),
+        hidden_(hidden),
+        options_(options) {}
+
+  ne::Rows rows() const { return ne::Rows{ptr_, win_, offset_}; }
+  void* ptr() const { return ptr_; }
+  bool holds(const at::Tensor& t) const {
+    return t.data_ptr() == ptr_ && t.size(0) == rows_ && t.size(1) == hidden_;
+  }
+
+  // Call before anything writes the window: earlier tensors over it go stale.
+  void invalidate() {
+    for (auto& weak : handed_out_) {
+      if (auto impl = weak.lock()) impl->bump_version();
+    }
+    handed_out_.clear();
+  }
+
+  at::Tensor hand_out() {
+    at::Tensor t = at::from_blob(ptr_, {rows_, hidden_}, options_);
+    handed_out_.emplace_back(c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
+    return t;
+  }
+
+ private:
+  ncclWindow_t win_ = nullptr;
+  uint64_t offset_ = 0;
+  void* ptr_ = nullptr;
+  int64_t rows_ = 0;
+  int64_t hidden_ = 0;
+  at::TensorOptions options_;
+  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> handed_out_;
+};
+
 class NcclEpBackend final : public Backend {
  public:
-  NcclEpBackend(const HandleConfig& cfg, std::shared_ptr<ne::Group> group, bool check_routing)
-      : cfg_(cfg), group_(std::move(group)), dtype_(to_dtype(cfg.dtype)), check_routing_(check_routing) {
+  NcclEpBackend(const HandleConfig& cfg, std::shared_ptr<ne::Group> group, bool check_routing,
+                std::string mode_reason)
+      : cfg_(cfg),
+        group_(std::move(group)),
+        dtype_(to_dtype(cfg.dtype)),
+        check_routing_(check_routing),
+        zero_copy_(group_->config().zero_copy),
+        mode_reason_(std::move(mode_reason)) {
     c10::cuda::CUDAGuard guard(cfg_.device);
     state_ = at::zeros({static_cast<int64_t>(sizeof(ne::HandleState) / sizeof(int32_t))},
                        at::TensorOptions().dtype(at::kInt).device(cfg_.device));
     overflow_host_ = at::zeros({2}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
     C10_CUDA_CHECK(cudaEventCreateWithFlags(&overflow_ready_, cudaEventDisableTiming));
+    if (zero_copy_) {
+      // One registration holds both windows: the dispatch output, and the
+      // combine side (combine input, combine_bwd output, dispatch_bwd input),
+      // whose uses never overlap in time within one layer's step.
+      const int64_t window_bytes = cfg_.capacity * row_bytes();
+      const auto window = group_->comm()->register_window(static_cast<size_t>(2 * window_bytes));
+      const auto options = at::TensorOptions().dtype(cfg_.dtype).device(cfg_.device);
+      recv_window_ = WindowRows(window, 0, cfg_.capacity, cfg_.hidden, options);
+      combine_window_ = WindowRows(window, static_cast<uint64_t>(window_bytes), cfg_.capacity, cfg_.hidden, options);
+      window_bytes_ = static_cast<int64_t>(window.bytes);
+    }
   }
 
   ~NcclEpBackend() override {
@@ -261,6 +314,15 @@ class NcclEpBackend final : public Backend {
     return handle_mem_;
   }
 
+  std::string mode() const override { return zero_copy_ ? "zero_copy" : "staged"; }
+  std::string mode_reason() const override { return mode_reason_; }
+  int64_t window_bytes() const override { return window_bytes_; }
+
+  at::Tensor combine_buffer() override {
+    if (!zero_copy_) return at::Tensor();
+    return combine_window_.hand_out();
+  }
+
   void agree_on_errors(const std::string& op, const std::string& local_error) override {
     if (check_routing_) {
       agree(cfg_.group_name, cfg_.device, op, local_error);
@@ -273,12 +335,12 @@ class NcclEpBackend final : public Backend {
   }
 
   // Checking values needs the GPU, so only TE_EP_CHECK_ROUTING=1 does it:
-  // expert ids in [-1, E), no repeats in a row. ops.cpp then agrees on the
-  // result through agree_on_errors before NCCL EP sees the routing.
+  // expert ids in [-1, E), no repeats in a row. comm_ops.cpp then agrees on
+  // the result through agree_on_errors before NCCL EP sees the routing.
   std::string validate_routing(const at::Tensor& topk_idx) override {
     if (!check_routing_) return "";
     c10::cuda::CUDAGuard guard(cfg_.device);
-    cudaStream_t stream = at::cuda::getCurrentCUDAStream(cfg_.device.index()).stream();
+    cudaStream_t stream = current_stream();
     if (is_capturing(stream)) {
       return "TE_EP_CHECK_ROUTING=1 waits for the GPU and cannot run under CUDA graph capture; unset it to capture";
     }
@@ -295,7 +357,7 @@ class NcclEpBackend final : public Backend {
     (void)handle_mem;
     require_handle("prepare");
     c10::cuda::CUDAGuard guard(cfg_.device);
-    cudaStream_t stream = at::cuda::getCurrentCUDAStream(cfg_.device.index()).stream();
+    cudaStream_t stream = current_stream();
     const bool capturing = is_capturing(stream);
     if (!capturing) raise_overflow_seen_earlier();
 
@@ -327,17 +389,24 @@ class NcclEpBackend final : public Backend {
     (void)handle_mem;
     require_prepared("dispatch");
     c10::cuda::CUDAGuard guard(cfg_.device);
-    cudaStream_t stream = at::cuda::getCurrentCUDAStream(cfg_.device.index()).stream();
+    cudaStream_t stream = current_stream();
     const at::Tensor x = tokens.contiguous();
     const at::Tensor w = topk_weights.contiguous();
-    at::Tensor recv_tokens = at::empty({cfg_.capacity, cfg_.hidden}, x.options());
     at::Tensor recv_weights = at::empty({cfg_.capacity}, w.options());
+    if (zero_copy_) {
+      recv_window_.invalidate();
+      handle_->dispatch_forward(x.data_ptr(), dtype_, x.size(0), cfg_.hidden, w.data_ptr<float>(), w.size(1),
+                                recv_window_.rows(), recv_weights.data_ptr<float>(), stream);
+      // Rows past this step's total keep data of a longer earlier step;
+      // only those (tracked on the device) need zeroing.
+      ne::launch_zero_unused_rows(state(), recv_window_.ptr(), row_bytes(), recv_weights.data_ptr<float>(),
+                                  cfg_.capacity, &state()->dirty_recv, stream);
+      return {recv_window_.hand_out(), recv_weights};
+    }
+    at::Tensor recv_tokens = at::empty({cfg_.capacity, cfg_.hidden}, x.options());
     handle_->dispatch_forward(x.data_ptr(), dtype_, x.size(0), cfg_.hidden, w.data_ptr<float>(), w.size(1),
-                              recv_tokens.data_ptr(), recv_weights.data_ptr<float>(), stream);
-    // NCCL EP zero-fills alignment padding inside zones; rows after the last
-    // zone are not its output, and the contract wants them zero too.
-    ne::launch_zero_unused_rows(state(), recv_tokens.data_ptr(), row_bytes(), recv_weights.data_ptr<float>(),
-                                cfg_.capacity, stream);
+                              ne::Rows::plain(recv_tokens.data_ptr()), recv_weights.data_ptr<float>(), stream);
+    zero_tail_if_needed(recv_tokens, recv_weights.data_ptr<float>(), stream);
     return {recv_tokens, recv_weights};
   }
 
@@ -345,11 +414,16 @@ class NcclEpBackend final : public Backend {
     (void)handle_mem;
     require_prepared("combine");
     c10::cuda::CUDAGuard guard(cfg_.device);
-    cudaStream_t stream = at::cuda::getCurrentCUDAStream(cfg_.device.index()).stream();
+    cudaStream_t stream = current_stream();
     const at::Tensor y = expert_out.contiguous();
     // Zeros: a token whose choices were all dropped receives nothing.
     at::Tensor out = at::zeros({num_tokens, cfg_.hidden}, y.options());
-    handle_->combine_forward(y.data_ptr(), dtype_, cfg_.hidden, out.data_ptr(), num_tokens, stream);
+    if (zero_copy_) {
+      fill_combine_window(y, stream);
+      handle_->combine_forward(combine_window_.rows(), dtype_, cfg_.hidden, out.data_ptr(), num_tokens, stream);
+      return out;
+    }
+    handle_->combine_forward(ne::Rows::plain(y.data_ptr()), dtype_, cfg_.hidden, out.data_ptr(), num_tokens, stream);
     return out;
   }
 
@@ -359,13 +433,18 @@ class NcclEpBackend final : public Backend {
     (void)handle_mem;
     require_prepared("dispatch_bwd");
     c10::cuda::CUDAGuard guard(cfg_.device);
-    cudaStream_t stream = at::cuda::getCurrentCUDAStream(cfg_.device.index()).stream();
+    cudaStream_t stream = current_stream();
     const at::Tensor g = grad_recv_tokens.contiguous();
     const at::Tensor gw = grad_recv_weights.contiguous();
     at::Tensor grad_tokens = at::zeros({num_tokens, cfg_.hidden}, g.options());
     // Zeros: dropped choices (-1) own no slot and get no gradient.
     at::Tensor grad_weights = at::zeros({num_tokens, cfg_.top_k}, gw.options());
-    handle_->combine_backward(g.data_ptr(), gw.data_ptr<float>(), dtype_, cfg_.hidden, grad_tokens.data_ptr(),
+    ne::Rows rows = ne::Rows::plain(g.data_ptr());
+    if (zero_copy_) {
+      fill_combine_window(g, stream);
+      rows = combine_window_.rows();
+    }
+    handle_->combine_backward(rows, gw.data_ptr<float>(), dtype_, cfg_.hidden, grad_tokens.data_ptr(),
                               grad_weights.data_ptr<float>(), num_tokens, cfg_.top_k, stream);
     return {grad_tokens, grad_weights};
   }
@@ -374,11 +453,19 @@ class NcclEpBackend final : public Backend {
     (void)handle_mem;
     require_prepared("combine_bwd");
     c10::cuda::CUDAGuard guard(cfg_.device);
-    cudaStream_t stream = at::cuda::getCurrentCUDAStream(cfg_.device.index()).stream();
+    cudaStream_t stream = current_stream();
     const at::Tensor g = grad_out.contiguous();
+    if (zero_copy_) {
+      combine_window_.invalidate();
+      handle_->dispatch_backward(g.data_ptr(), dtype_, g.size(0), cfg_.hidden, combine_window_.rows(), stream);
+      ne::launch_zero_unused_rows(state(), combine_window_.ptr(), row_bytes(), nullptr, cfg_.capacity,
+                                  &state()->dirty_combine, stream);
+      return combine_window_.hand_out();
+    }
     at::Tensor recv = at::empty({cfg_.capacity, cfg_.hidden}, g.options());
-    handle_->dispatch_backward(g.data_ptr(), dtype_, g.size(0), cfg_.hidden, recv.data_ptr(), stream);
-    ne::launch_zero_unused_rows(state(), recv.data_ptr(), row_bytes(), nullptr, cfg_.capacity, stream);
+    handle_->dispatch_backward(g.data_ptr(), dtype_, g.size(0), cfg_.hidden, ne::Rows::plain(recv.data_ptr()),
+                               stream);
+    zero_tail_if_needed(recv, nullptr, stream);
     return recv;
   }
 
@@ -390,8 +477,34 @@ class NcclEpBackend final : public Backend {
  private:
   ne::HandleState* state() { return reinterpret_cast<ne::HandleState*>(state_.data_ptr<int32_t>()); }
 
+  cudaStream_t current_stream() const { return at::cuda::getCurrentCUDAStream(cfg_.device.index()).stream(); }
+
   int64_t row_bytes() const {
     return cfg_.hidden * static_cast<int64_t>(ne::dtype_size(dtype_));
+  }
+
+  // Staged mode: under DROP NCCL EP zero-fills the whole receive buffer of
+  // every dispatch (its permute path cannot tell dropped rows from holes), so
+  // the rows past the last zone are zero already; under TRAP they are not.
+  void zero_tail_if_needed(const at::Tensor& rows, float* weights, cudaStream_t stream) {
+    if (group_->config().can_overflow) return;
+    ne::launch_zero_unused_rows(state(), rows.data_ptr(), row_bytes(), weights, cfg_.capacity, nullptr, stream);
+  }
+
+  // Zero-copy mode: NCCL EP reads a combine input (forward or backward) only
+  // from the combine window and reduces inside it. A caller's tensor is
+  // copied in (only the rows in use); the window itself, handed out by
+  // combine_buffer(), is used as it is. Either way the window's earlier
+  // tensors (combine_buffer(), combine_bwd's output) go stale.
+  void fill_combine_window(const at::Tensor& input, cudaStream_t stream) {
+    const bool in_place = combine_window_.holds(input);
+    combine_window_.invalidate();
+    if (in_place) {
+      ne::launch_mark_dirty_rows(state(), &state()->dirty_combine, cfg_.capacity, /*whole=*/true, stream);
+      return;
+    }
+    ne::launch_copy_used_rows(state(), input.data_ptr(), combine_window_.ptr(), row_bytes(), cfg_.capacity, stream);
+    ne::launch_mark_dirty_rows(state(), &state()->dirty_combine, cfg_.capacity, /*whole=*/false, stream);
   }
 
   void require_handle(const char* op) const {
@@ -432,7 +545,7 @@ class NcclEpBackend final : public Backend {
     const int32_t* host = overflow_host_.data_ptr<int32_t>();
     if (host[0] == 0) return;
     const int32_t needed = host[1];
-    reset_overflow(at::cuda::getCurrentCUDAStream(cfg_.device.index()).stream());
+    reset_overflow(current_stream());
     TORCH_CHECK(false, overflow_message(needed), " (detected after an earlier step; set TE_EP_CHECK_ROUTING=1 "
                 "to raise in the overflowing step on every rank)");
   }
@@ -466,6 +579,11 @@ class NcclEpBackend final : public Backend {
   std::shared_ptr<ne::Group> group_;
   ne::DType dtype_;
   bool check_routing_;
+  bool zero_copy_;
+  std::string mode_reason_;
+  int64_t window_bytes_ = 0;
+  WindowRows recv_window_;
+  WindowRows combine_window_;
   std::unique_ptr<ne::Handle> handle_;
   at::Tensor handle_mem_;
   at::Tensor state_;
@@ -480,14 +598,48 @@ bool check_routing_requested() {
   return value != nullptr && std::string(value) == "1";
 }
 
-std::string load_op(const std::string& nccl_ep_lib, const std::string& nccl_lib) {
+// Whether this process can allocate window memory ("" if so, else why).
+// Probed once: ncclMemAlloc needs CUDA VMM (cuMem) support, which some
+// drivers, containers and NCCL_CUMEM_ENABLE=0 take away.
+std::string window_memory_unavailable() {
+  static const std::string reason = [] {
+    void* ptr = nullptr;
+    const ncclResult_t result = ne::api().MemAlloc(&ptr, 1 << 21);
+    if (result != ncclSuccess) return std::string("ncclMemAlloc failed: ") + ne::api().GetErrorString(result);
+    ne::api().MemFree(ptr);
+    return std::string();
+  }();
+  return reason;
+}
+
+// Collective (create_handle is): every rank picks the same mode.
+std::pair<bool, std::string> choose_zero_copy(const HandleConfig& cfg) {
+  if (cfg.nccl_ep_mode == "staged") return {false, "nccl_ep_mode='staged' was requested"};
+  const auto messages = allgather_messages(cfg.group_name, cfg.device, window_memory_unavailable());
+  for (size_t r = 0; r < messages.size(); ++r) {
+    if (messages[r].empty()) continue;
+    std::ostringstream why;
+    why << "symmetric windows are unavailable on rank " << r << " (" << messages[r] << ")";
+    TORCH_CHECK(cfg.nccl_ep_mode != "zero_copy", "te_ep.create_handle: nccl_ep_mode='zero_copy' needs NCCL "
+                "symmetric windows, but ", why.str(), "; use nccl_ep_mode='staged' or 'auto'");
+    return {false, why.str() + "; runs staged"};
+  }
+  return {true, cfg.nccl_ep_mode == "zero_copy" ? "nccl_ep_mode='zero_copy' was requested"
+                                                : "symmetric windows are available on every rank"};
+}
+
+}  // namespace
+
+std::string load_nccl_ep(const std::string& nccl_ep_lib, const std::string& nccl_lib) {
   const auto& info = ne::load(nccl_ep_lib, nccl_lib);
   return "NCCL EP " + ne::format_version(info.nccl_ep_version) + " (" + info.nccl_ep_path + ") on NCCL " +
          ne::format_version(info.nccl_version) + " (" + info.nccl_path + ", JIT headers in " + info.nccl_home +
          "/include)";
 }
 
-}  // namespace
+bool nccl_ep_built() { return true; }
+
+void nccl_ep_mark_exiting() { ne::mark_process_exiting(); }
 
 std::unique_ptr<Backend> make_nccl_ep_backend(const HandleConfig& cfg) {
   TORCH_CHECK(ne::is_loaded(), "te_ep.create_handle: backend 'nccl_ep' needs NCCL EP loaded; call "
@@ -506,13 +658,13 @@ std::unique_ptr<Backend> make_nccl_ep_backend(const HandleConfig& cfg) {
               row_bytes, " bytes of ", cfg.dtype, ")");
   // NCCL EP moves expert weights with 16-byte TMA copies, one float per expert
   // of the node, and asserts (aborting the process) when they are misaligned.
-  TORCH_CHECK(cfg.num_experts % kNcclEpCountMultiple == 0, "te_ep.create_handle: backend 'nccl_ep' needs num_experts "
-              "to be a multiple of ", kNcclEpCountMultiple, " (NCCL EP copies routing weights in 16-byte units), got "
+  TORCH_CHECK(cfg.num_experts % kNcclEpExpertMultiple == 0, "te_ep.create_handle: backend 'nccl_ep' needs num_experts "
+              "to be a multiple of ", kNcclEpExpertMultiple, " (NCCL EP copies routing weights in 16-byte units), got "
               "num_experts=", cfg.num_experts, "; use backend='reference' for this layer");
   // NCCL EP's send budget per rank, rounded up (see nccl_ep_send_budget).
   const int64_t send_budget = nccl_ep_send_budget(cfg.max_tokens_per_rank);
   TORCH_CHECK(cfg.capacity >= send_budget, "te_ep.create_handle: backend 'nccl_ep' needs capacity >= "
-              "max_tokens_per_rank rounded up to a multiple of ", kNcclEpCountMultiple, " (NCCL EP's receive budget "
+              "max_tokens_per_rank rounded up to a multiple of ", kNcclEpExpertMultiple, " (NCCL EP's receive budget "
               "may not be smaller than its send budget), got capacity=", cfg.capacity, " and max_tokens_per_rank=",
               cfg.max_tokens_per_rank, " (rounded: ", send_budget, ")");
   TORCH_CHECK(cfg.capacity <= INT32_MAX && cfg.num_experts <= INT32_MAX && row_bytes <= INT32_MAX,
@@ -522,58 +674,15 @@ std::unique_ptr<Backend> make_nccl_ep_backend(const HandleConfig& cfg) {
   auto pg = c10d::resolve_process_group(cfg.group_name);
   TORCH_INTERNAL_ASSERT(pg->getSize() == cfg.ep_size && pg->getRank() == cfg.rank);
   c10::cuda::CUDAGuard guard(cfg.device);
-  const GroupKey key{cfg.num_experts, send_budget, cfg.capacity, row_bytes, cfg.capacity < worst_case_rows(cfg)};
+  const int64_t worst_case = common::worst_case_capacity(cfg.ep_size, cfg.max_tokens_per_rank, cfg.top_k,
+                                                         cfg.num_local_experts(), cfg.alignment);
+  const auto [zero_copy, mode_reason] = choose_zero_copy(cfg);
+  const GroupKey key{cfg.num_experts, send_budget, cfg.capacity, row_bytes, cfg.capacity < worst_case, zero_copy};
   auto group = registry().group_for(cfg, pg, key);
-  return std::make_unique<NcclEpBackend>(cfg, std::move(group), check_routing_requested());
+  return std::make_unique<NcclEpBackend>(cfg, std::move(group), check_routing_requested(), mode_reason);
 }
 
 void release_nccl_ep_group(const std::string& group_name) { registry().release(group_name); }
-
-TORCH_LIBRARY_IMPL(te_ep, CompositeExplicitAutograd, m) {
-  m.impl("_nccl_ep_load", &load_op);
-  m.impl("_nccl_ep_built", []() { return true; });
-  m.impl("_nccl_ep_at_exit", []() { ne::mark_process_exiting(); });
-  m.impl("_nccl_ep_release_group", [](c10::string_view group_name) {
-    release_nccl_ep_group(std::string(group_name.data(), group_name.size()));
-  });
-}
-
-}  // namespace te_ep
-
-#else  // TE_EP_WITH_CUDA && TE_EP_WITH_NCCL_EP
-
-namespace te_ep {
-
-namespace {
-
-constexpr const char* kNotBuilt =
-    "te_ep_torch was built without NCCL EP support, so backend 'nccl_ep' is unavailable. Install the optional "
-    "dependencies with `pip install te_ep_torch[nccl-ep]` (nccl-extensions and nvidia-nccl-cu13>=2.30.7) on a "
-    "machine with the CUDA toolkit, then rebuild: `pip install --no-build-isolation --force-reinstall --no-deps "
-    "te_ep_torch` (setup.py looks for nccl_ep.h in the nccl-extensions package or in $TE_EP_NCCL_EP_INCLUDE). "
-    "Or use backend='reference'.";
-
-std::string load_op(const std::string& nccl_ep_lib, const std::string& nccl_lib) {
-  (void)nccl_ep_lib;
-  (void)nccl_lib;
-  TORCH_CHECK(false, kNotBuilt);
-}
-
-}  // namespace
-
-std::unique_ptr<Backend> make_nccl_ep_backend(const HandleConfig& cfg) {
-  (void)cfg;
-  TORCH_CHECK(false, kNotBuilt);
-}
-
-void release_nccl_ep_group(const std::string& group_name) { (void)group_name; }
-
-TORCH_LIBRARY_IMPL(te_ep, CompositeExplicitAutograd, m) {
-  m.impl("_nccl_ep_load", &load_op);
-  m.impl("_nccl_ep_built", []() { return false; });
-  m.impl("_nccl_ep_at_exit", []() {});
-  m.impl("_nccl_ep_release_group", [](c10::string_view group_name) { (void)group_name; });
-}
 
 }  // namespace te_ep
 

@@ -1,4 +1,4 @@
-#include "common/nccl_ep_backend.h"
+#include "common/nccl_ep_wrap.h"
 
 #if TE_EP_WITH_CUDA && TE_EP_WITH_NCCL_EP
 
@@ -47,6 +47,13 @@ class Desc {
   Desc(const void* data, ncclDataType_t dtype, size_t dim0) : sizes_{dim0, 0} { init(data, dtype, 1); }
   Desc(const void* data, ncclDataType_t dtype, size_t dim0, size_t dim1) : sizes_{dim0, dim1} {
     init(data, dtype, 2);
+  }
+  // A window-backed tensor carries no data pointer: NCCL EP resolves the
+  // window on every rank (NCCL EP's own tests bind windows this way).
+  Desc(const Rows& rows, ncclDataType_t dtype, size_t dim0, size_t dim1) : sizes_{dim0, dim1} {
+    init(rows.win == nullptr ? rows.data : nullptr, dtype, 2);
+    tensor_.win_hdl = rows.win;
+    tensor_.win_offset = rows.win == nullptr ? 0 : rows.offset;
   }
   Desc(const Desc&) = delete;
   Desc& operator=(const Desc&) = delete;
@@ -123,21 +130,53 @@ Communicator::Communicator(const UniqueId& id, int nranks, int rank, int device)
 Communicator::~Communicator() {
   if (comm_ == nullptr || process_exiting()) return;
   DeviceScope scope(device_);
+  for (const Window& w : windows_) {
+    api().CommWindowDeregister(comm_, w.win);
+    api().MemFree(w.ptr);
+  }
   api().CommDestroy(comm_);
+}
+
+Communicator::Window Communicator::register_window(size_t bytes) {
+  DeviceScope scope(device_);
+  Window w;
+  w.bytes = bytes;
+  check_nccl(api().MemAlloc(&w.ptr, bytes), "ncclMemAlloc (zero-copy window)");
+  const ncclResult_t reg = api().CommWindowRegister(comm_, w.ptr, bytes, &w.win, NCCL_WIN_COLL_SYMMETRIC);
+  if (reg != ncclSuccess) {
+    api().MemFree(w.ptr);
+    check_nccl(reg, "ncclCommWindowRegister (zero-copy window)");
+  }
+  // Rows past a step's total must read as zeros (docs/ops.md); the dirty-row
+  // bookkeeping of the backend starts from a clean window.
+  if (cudaMemset(w.ptr, 0, bytes) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) {
+    throw std::runtime_error(std::string("te_ep nccl_ep backend: zeroing a window failed: ") +
+                             cudaGetErrorString(cudaGetLastError()));
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  windows_.push_back(w);
+  return w;
+}
+
+size_t Communicator::window_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  size_t total = 0;
+  for (const Window& w : windows_) total += w.bytes;
+  return total;
 }
 
 namespace {
 
-// TE_EP_NCCL_EP_SMS: a positive SM count, or unset for NCCL EP's default.
-int sms_from_env() {
+// max_num_sms caps every NCCL EP kernel, the local permute/dup and the
+// routing preprocessing included, and those run fastest on all SMs; the SM
+// budget of the communication kernels alone is NCCL EP's NCCL_EP_COMM_SMS.
+void reject_removed_sms_variable() {
   const char* value = std::getenv("TE_EP_NCCL_EP_SMS");
-  if (value == nullptr || *value == '\0') return NCCL_EP_AUTO;
-  char* end = nullptr;
-  const long sms = std::strtol(value, &end, 10);
-  if (*end != '\0' || sms <= 0 || sms > 1024) {
-    throw std::invalid_argument(std::string("TE_EP_NCCL_EP_SMS must be a positive SM count, got '") + value + "'");
-  }
-  return static_cast<int>(sms);
+  if (value == nullptr || *value == '\0') return;
+  throw std::invalid_argument(std::string("TE_EP_NCCL_EP_SMS (set to '") + value +
+                              "') was removed in te_ep_torch 0.2: it capped NCCL EP's permute and preprocessing "
+                              "kernels as well. Set NCCL_EP_COMM_SMS (read by NCCL EP when a group is created) "
+                              "for the SM budget of its communication kernels");
 }
 
 }  // namespace
@@ -155,9 +194,8 @@ Group::Group(std::shared_ptr<Communicator> comm, const GroupConfig& config) : co
   cfg.rdma_buffer_size = NCCL_EP_AUTO;
   cfg.num_qp_per_rank = NCCL_EP_AUTO;
   cfg.num_channels = NCCL_EP_AUTO;
-  // SMs the EP kernels may occupy: more move tokens faster but leave fewer
-  // for overlapped compute, so it is the user's trade (docs/nccl_ep.md).
-  cfg.max_num_sms = static_cast<unsigned int>(sms_from_env());
+  reject_removed_sms_variable();
+  cfg.max_num_sms = NCCL_EP_AUTO;
   // TRAP (the default) aborts the process from the device on a capacity
   // overflow, which no rank can turn into an error. DROP keeps the process
   // alive and reports the pre-drop total, from which we raise (see
@@ -165,6 +203,9 @@ Group::Group(std::shared_ptr<Communicator> comm, const GroupConfig& config) : co
   // receive buffer on every dispatch. Where no routing can overflow, TRAP
   // never fires and saves that memset.
   cfg.overflow_policy = config.can_overflow ? NCCL_EP_OVERFLOW_DROP : NCCL_EP_OVERFLOW_TRAP;
+  // Explicit OFF rather than AUTO: the staged mode must not change meaning
+  // if a later NCCL EP release resolves AUTO differently.
+  cfg.zero_copy = config.zero_copy ? NCCL_EP_ZERO_COPY_ON : NCCL_EP_ZERO_COPY_OFF;
   DeviceScope scope(comm_->device());
   check_nccl(api().EpCreateGroup(&group_, comm_->get(), &cfg), "ncclEpCreateGroup");
 }
@@ -213,7 +254,7 @@ void Handle::update(const void* topk_idx, DType idx_dtype, int64_t num_tokens, i
 }
 
 void Handle::dispatch_forward(const void* tokens, DType dtype, int64_t num_tokens, int64_t hidden,
-                              const float* weights, int64_t top_k, void* recv_tokens, float* recv_weights,
+                              const float* weights, int64_t top_k, const Rows& recv_tokens, float* recv_weights,
                               cudaStream_t stream) {
   const size_t capacity = to_size(group_->config().capacity);
   Desc in_tokens(tokens, to_nccl(dtype), to_size(num_tokens), to_size(hidden));
@@ -232,7 +273,7 @@ void Handle::dispatch_forward(const void* tokens, DType dtype, int64_t num_token
 }
 
 void Handle::dispatch_backward(const void* grad_out, DType dtype, int64_t num_tokens, int64_t hidden,
-                               void* recv_tokens, cudaStream_t stream) {
+                               const Rows& recv_tokens, cudaStream_t stream) {
   const size_t capacity = to_size(group_->config().capacity);
   Desc in_tokens(grad_out, to_nccl(dtype), to_size(num_tokens), to_size(hidden));
   Desc out_tokens(recv_tokens, to_nccl(dtype), capacity, to_size(hidden));
@@ -245,7 +286,7 @@ void Handle::dispatch_backward(const void* grad_out, DType dtype, int64_t num_to
   check_nccl(api().EpDispatch(handle_, &inputs, &outputs, nullptr, &config, stream), "ncclEpDispatch (backward)");
 }
 
-void Handle::combine_forward(const void* expert_out, DType dtype, int64_t hidden, void* out, int64_t num_tokens,
+void Handle::combine_forward(const Rows& expert_out, DType dtype, int64_t hidden, void* out, int64_t num_tokens,
                              cudaStream_t stream) {
   const size_t capacity = to_size(group_->config().capacity);
   Desc in_tokens(expert_out, to_nccl(dtype), capacity, to_size(hidden));
@@ -259,7 +300,7 @@ void Handle::combine_forward(const void* expert_out, DType dtype, int64_t hidden
   check_nccl(api().EpCombine(handle_, &inputs, &outputs, &config, stream), "ncclEpCombine (forward)");
 }
 
-void Handle::combine_backward(const void* grad_recv, const float* grad_recv_weights, DType dtype, int64_t hidden,
+void Handle::combine_backward(const Rows& grad_recv, const float* grad_recv_weights, DType dtype, int64_t hidden,
                               void* grad_tokens, float* grad_weights, int64_t num_tokens, int64_t top_k,
                               cudaStream_t stream) {
   const size_t capacity = to_size(group_->config().capacity);

@@ -19,6 +19,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <vector>
 
 #include "common/nccl_ep_runtime.h"
 
@@ -50,9 +52,34 @@ class Communicator {
   ncclComm_t get() const { return comm_; }
   int device() const { return device_; }
 
+  // Collective: `bytes` of ncclMemAlloc memory registered as a symmetric
+  // window, so NCCL EP's kernels on every rank can write into it. Kept until
+  // the communicator is destroyed (deregistration is collective, and the
+  // communicator goes only in the collective group shutdown), so a handle
+  // destroyed on one rank never leaves another rank waiting.
+  struct Window {
+    void* ptr = nullptr;
+    ncclWindow_t win = nullptr;
+    size_t bytes = 0;
+  };
+  Window register_window(size_t bytes);
+  size_t window_bytes() const;
+
  private:
   ncclComm_t comm_ = nullptr;
   int device_ = -1;
+  mutable std::mutex mutex_;
+  std::vector<Window> windows_;
+};
+
+// Rows of a 2-D tensor argument: a plain device pointer, or (zero-copy mode)
+// a slice of a registered window, which NCCL EP addresses on every rank.
+struct Rows {
+  void* data = nullptr;
+  ncclWindow_t win = nullptr;
+  uint64_t offset = 0;
+
+  static Rows plain(const void* p) { return Rows{const_cast<void*>(p), nullptr, 0}; }
 };
 
 struct GroupConfig {
@@ -67,6 +94,10 @@ struct GroupConfig {
   // no routing can overflow: NCCL EP then skips the receive-buffer memset that
   // its DROP overflow policy costs on every dispatch.
   bool can_overflow = true;
+  // Zero-copy mode (ncclEpZeroCopyMode ON): NCCL EP writes dispatch outputs
+  // straight into the handles' windows and reduces combine inputs in place
+  // there; every dispatch output and combine input must then be a window.
+  bool zero_copy = false;
 };
 
 // One ncclEpGroup: NCCL EP's receive budget and staging buffers are sized per
@@ -112,19 +143,20 @@ class Handle {
   // tokens [num_tokens, hidden], weights [num_tokens, top_k] f32
   //   -> recv_tokens [capacity, hidden], recv_weights [capacity] f32.
   void dispatch_forward(const void* tokens, DType dtype, int64_t num_tokens, int64_t hidden, const float* weights,
-                        int64_t top_k, void* recv_tokens, float* recv_weights, cudaStream_t stream);
+                        int64_t top_k, const Rows& recv_tokens, float* recv_weights, cudaStream_t stream);
 
   // grad_out [num_tokens, hidden] -> recv_tokens [capacity, hidden]; no weights.
-  void dispatch_backward(const void* grad_out, DType dtype, int64_t num_tokens, int64_t hidden, void* recv_tokens,
-                         cudaStream_t stream);
+  void dispatch_backward(const void* grad_out, DType dtype, int64_t num_tokens, int64_t hidden,
+                         const Rows& recv_tokens, cudaStream_t stream);
 
-  // expert_out [capacity, hidden] -> out [num_tokens, hidden].
-  void combine_forward(const void* expert_out, DType dtype, int64_t hidden, void* out, int64_t num_tokens,
+  // expert_out [capacity, hidden] -> out [num_tokens, hidden]. In zero-copy
+  // mode NCCL EP reduces inside expert_out's window: its rows are consumed.
+  void combine_forward(const Rows& expert_out, DType dtype, int64_t hidden, void* out, int64_t num_tokens,
                        cudaStream_t stream);
 
   // grad_recv [capacity, hidden], grad_recv_weights [capacity] f32
   //   -> grad_tokens [num_tokens, hidden], grad_weights [num_tokens, top_k] f32.
-  void combine_backward(const void* grad_recv, const float* grad_recv_weights, DType dtype, int64_t hidden,
+  void combine_backward(const Rows& grad_recv, const float* grad_recv_weights, DType dtype, int64_t hidden,
                         void* grad_tokens, float* grad_weights, int64_t num_tokens, int64_t top_k,
                         cudaStream_t stream);
 
@@ -143,6 +175,8 @@ struct HandleState {
   int32_t worst_needed;    // largest recv_total_raw seen while overflowing
   int32_t routing_error;   // TE_EP_CHECK_ROUTING: bit 0 out of range, bit 1 duplicate
   int32_t first_bad_token; // TE_EP_CHECK_ROUTING: lowest token index with an error
+  int32_t dirty_recv;      // zero-copy: rows of the dispatch window that may hold old data
+  int32_t dirty_combine;   // zero-copy: rows of the combine window that may hold old data
 };
 
 // After ncclEpUpdateHandle: records overflow, writes the rows in use to
@@ -151,10 +185,23 @@ struct HandleState {
 void launch_finish_prepare(HandleState* state, int32_t* expert_counts, int64_t num_local_experts, int32_t* total_out,
                            int64_t capacity, cudaStream_t stream);
 
-// Zeroes rows [state->total, capacity) of recv rows (row_bytes each, a
-// multiple of 16) and of recv_weights when given.
+// Zeroes rows [state->total, end) of `rows` (row_bytes each, a multiple of
+// 16) and [state->total, capacity) of recv_weights when given. `end` is
+// capacity, or with `dirty_rows` (a persistent window) the rows that may
+// still hold data of an earlier step: *dirty_rows is then lowered to
+// state->total, so a window that was already clean costs nothing.
 void launch_zero_unused_rows(const HandleState* state, void* rows, int64_t row_bytes, float* recv_weights,
-                             int64_t capacity, cudaStream_t stream);
+                             int64_t capacity, int32_t* dirty_rows, cudaStream_t stream);
+
+// Records rows of a window written outside launch_zero_unused_rows' view:
+// all of them (`whole`, e.g. the caller filled the window) or [0, total).
+void launch_mark_dirty_rows(const HandleState* state, int32_t* dirty_rows, int64_t capacity, bool whole,
+                            cudaStream_t stream);
+
+// dst[0, state->total) = src[0, state->total), rows of row_bytes: brings a
+// combine input into its window, reading the row count on the device.
+void launch_copy_used_rows(const HandleState* state, const void* src, void* dst, int64_t row_bytes, int64_t capacity,
+                           cudaStream_t stream);
 
 // Validates topk_idx [num_tokens, top_k]: ids in [-1, num_experts), no expert
 // twice in a row. Resets and then fills state->routing_error/first_bad_token.

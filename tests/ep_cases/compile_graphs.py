@@ -1,0 +1,190 @@
+"""Static shapes at work: torch.compile, opcheck of every op, agreement of a backend with
+the reference backend, and CUDA-graph capture."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+import te_ep_torch as te
+
+from .common import Step, all_inputs, check_equal, fingerprint, make_group
+from .dense import (
+    Layer,
+    assert_close_scaled,
+    dense_reference,
+    expert_forward_static,
+    expert_forward_zones,
+    layer_data,
+    moe_step,
+)
+
+
+# ---------------------------------------------------------------------------
+# torch.compile
+# ---------------------------------------------------------------------------
+def case_compile(ctx, compile_backend: str) -> None:
+    """dispatch -> static-shape grouped linear -> combine under torch.compile(fullgraph=True)
+    matches eager, forward and backward; eager matches the dense reference."""
+    import torch._dynamo
+
+    W, r, dev = ctx.world_size, ctx.rank, torch.device(ctx.device)
+    st = Step(dtype="fp32", top_k=2, hidden=16, tokens=(8, 5), alignment=4, drop=0.1, seed=40)
+    group = make_group(ctx, st)
+    handle = group.create_handle(top_k=2, hidden=16, dtype=torch.float32, alignment=4)
+    El = group.num_local_experts
+
+    def f(x, idx, w, ex):
+        return moe_step(handle, x, idx, w, ex, expert_forward_static)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend=compile_backend)
+    for salt in (0, 1):  # second call: new routing values, same shapes (no stale state)
+        layer = Layer(st, salt=salt)
+        idx_all, w_all, xs, gys, experts = layer_data(layer, W)
+        results = []
+        for fn in (f, compiled):
+            x = xs[r].to(dev, copy=True).requires_grad_()
+            w = w_all[r].to(dev, copy=True).requires_grad_()
+            ex = experts[r * El : (r + 1) * El].to(dev, copy=True).requires_grad_()
+            y = fn(x, idx_all[r].to(dev), w, ex)
+            y.backward(gys[r].to(dev))
+            results.append((y.detach(), x.grad, w.grad, ex.grad))
+        for name, a, b in zip(("y", "grad x", "grad w", "grad experts"), results[1], results[0]):
+            assert_close_scaled(a, b, torch.float32, f"rank {r} salt {salt} compiled vs eager {name}")
+        ref_y, ref_gx, ref_gw, ref_gW = dense_reference(layer, W)
+        for name, a, b in zip(("y", "grad x", "grad w", "grad experts"), results[0],
+                              (ref_y[r], ref_gx[r], ref_gw[r], ref_gW[r * El : (r + 1) * El])):
+            assert_close_scaled(a, b, torch.float32, f"rank {r} salt {salt} eager static vs dense {name}")
+    group.shutdown()
+
+
+# ---------------------------------------------------------------------------
+# opcheck
+# ---------------------------------------------------------------------------
+def case_opcheck(ctx, which: int) -> None:
+    """torch.library.opcheck of every communication op; all ranks run the same calls, so
+    the collectives inside line up."""
+    from torch.library import opcheck
+
+    W, r, dev = ctx.world_size, ctx.rank, torch.device(ctx.device)
+    ops = torch.ops.te_ep
+    steps = (Step(top_k=2, hidden=16, dtype="bf16", tokens=(5, 7), alignment=8, seed=50),
+             # a rank without tokens: zero-row tensors through every op and its fake kernel
+             Step(top_k=3, hidden=16, dtype="fp32", idx_dtype="i32", tokens=(4, 0), seed=51))
+    for st in steps[which : which + 1]:
+        group = make_group(ctx, st)
+        h = group.create_handle(top_k=st.top_k, hidden=st.hidden, dtype=st.torch_dtype(), alignment=st.alignment)
+        idx_all, w_all = all_inputs(st, W)
+        T, cap, gname, El = st.num_tokens(r), h.config.capacity, group.group_name, group.num_local_experts
+        idx, w = idx_all[r].to(dev), w_all[r].to(dev)
+        x = fingerprint(r, T, st.hidden, st.torch_dtype()).to(dev)
+        opcheck(ops.prepare.default, (idx, h.handle_mem, gname, h.id, El))
+        # opcheck ran prepare on copies of handle_mem: record this step's routing for real
+        ops.prepare(idx, h.handle_mem, gname, h.id, El)
+        opcheck(ops.dispatch.default, (x, w, h.handle_mem, gname, h.id, cap))
+        recv, recv_w = ops.dispatch(x, w, h.handle_mem, gname, h.id, cap)
+        opcheck(ops.combine.default, (recv, h.handle_mem, gname, h.id, T))
+        opcheck(ops.dispatch_bwd.default, (recv, recv_w, h.handle_mem, gname, h.id, T, st.top_k))
+        opcheck(ops.combine_bwd.default, (x, h.handle_mem, gname, h.id, cap))
+        group.shutdown()
+
+
+# ---------------------------------------------------------------------------
+# backend agreement (GPU: nccl_ep vs reference in one process)
+# ---------------------------------------------------------------------------
+def case_backend_agreement(ctx, steps: Sequence[Step]) -> None:
+    """The backend under test and the reference backend, on the same inputs: same counts,
+    same rows per zone (any order), same combine output, same gradients."""
+    W, r, dev = ctx.world_size, ctx.rank, torch.device(ctx.device)
+    for st in steps:
+        outs = {}
+        for be in (ctx.backend, "reference"):
+            group = make_group(ctx, st, backend=be)
+            h = group.create_handle(top_k=st.top_k, hidden=st.hidden, dtype=st.torch_dtype(), alignment=st.alignment)
+            layer = Layer(st)
+            idx_all, w_all, xs, gys, experts = layer_data(layer, W)
+            x = xs[r].to(dev, copy=True).requires_grad_()
+            w = w_all[r].to(dev, copy=True).requires_grad_()
+            El = st.experts_per_rank
+            ex = experts[r * El : (r + 1) * El].to(dev, copy=True).requires_grad_()
+            out = te.ep_dispatch(h, x, idx_all[r].to(dev), w)
+            expert_out = expert_forward_zones(out.tokens, out.weights, out.expert_counts, ex, x.dtype)
+            y = te.ep_combine(h, expert_out, x.shape[0])
+            y.backward(gys[r].to(dev))
+            outs[be] = [t.detach().cpu() for t in (out.expert_counts, out.total, y, x.grad, w.grad, ex.grad)]
+            # rows per zone as sorted multisets
+            zones, off = [], 0
+            for c in out.expert_counts.tolist():
+                z = out.tokens.detach().cpu()[off : off + c].float()
+                zones.append(z[torch.argsort(z[:, 0] * 1e6 + z[:, 1] * 1e3 + z[:, 2])] if c else z)
+                off += c
+            outs[be].append(zones)
+            group.shutdown()
+        a, b = outs[ctx.backend], outs["reference"]
+        check_equal("expert_counts", a[0], b[0], f"rank {r} {st}")
+        check_equal("total", a[1], b[1], f"rank {r} {st}")
+        for e, (za, zb) in enumerate(zip(a[6], b[6])):
+            assert za.shape == zb.shape and torch.allclose(za, zb, rtol=0, atol=0), f"rank {r} zone {e} rows differ"
+        for name, ta, tb in zip(("y", "grad x", "grad w", "grad experts"), a[2:6], b[2:6]):
+            assert_close_scaled(ta, tb, st.torch_dtype(), f"rank {r} {st}: {ctx.backend} vs reference {name}")
+
+
+# ---------------------------------------------------------------------------
+# CUDA graphs (GPU backends that never sync the host)
+# ---------------------------------------------------------------------------
+def case_cuda_graph(ctx) -> None:
+    """prepare + dispatch + per-expert linear + combine captured once in a CUDA graph;
+    replays on fresh tokens and routing (copied into the captured inputs) equal eager."""
+    import te_ep_torch as te
+
+    dev = torch.device(ctx.device)
+    T, H, K = 96, 128, 2
+    group = te.EpGroup(num_experts=4 * ctx.world_size, max_tokens_per_rank=T, backend=ctx.backend)
+    handle = group.create_handle(top_k=K, hidden=H, dtype=torch.bfloat16, alignment=16)
+    gen = torch.Generator().manual_seed(7)
+    w1 = (torch.randn(group.num_experts, H, H, generator=gen) * H**-0.5).to(dev, torch.bfloat16)
+    w1 = w1[ctx.rank * group.num_local_experts:(ctx.rank + 1) * group.num_local_experts]
+
+    def step(x, idx, w):
+        out = te.ep_dispatch(handle, x, idx, w)
+        rows = torch.arange(out.tokens.shape[0], device=dev)
+        expert = torch.bucketize(rows, out.expert_counts.cumsum(0), right=True).clamp(max=w1.shape[0] - 1)
+        y = torch.bmm(out.tokens[:, None], w1[expert]).squeeze(1) * out.weights[:, None].to(torch.bfloat16)
+        return te.ep_combine(handle, y, x.shape[0])
+
+    def inputs(seed):
+        g = torch.Generator().manual_seed(1000 * seed + ctx.rank)
+        x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
+        idx = torch.rand(T, group.num_experts, generator=g).topk(K, dim=1).indices
+        idx[torch.rand(T, K, generator=g) < 0.1] = -1
+        w = torch.rand(T, K, generator=g).to(dev)
+        return x, idx.to(dev), w
+
+    static = inputs(0)
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step(*static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = step(*static)
+        for seed in (1, 2, 3):
+            fresh = inputs(seed)
+            for dst, src in zip(static, fresh):
+                dst.copy_(src)
+            graph.replay()
+            replayed = static_out.clone()
+            eager = step(*fresh)
+            torch.cuda.synchronize()
+            assert torch.allclose(replayed.float(), eager.float(), rtol=2e-2, atol=2e-2), (
+                f"replay {seed}: max |graph - eager| = {(replayed.float() - eager.float()).abs().max().item()}"
+            )
+    # A captured graph holds NCCL resources of the group: destroy it before shutdown.
+    del graph, static_out
+    group.shutdown()
+

@@ -1,0 +1,409 @@
+"""Bad input and misuse: every rank raises a clear error, nobody hangs, and the group
+works afterwards."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import torch
+
+import te_ep_torch as te
+from te_ep_torch.group import NCCL_EP_EXPERT_MULTIPLE
+
+from .common import (
+    Step,
+    all_inputs,
+    expect_raises,
+    fingerprint,
+    make_group,
+    nccl_ep_capacity_floor,
+)
+from .exact import run_exact_step
+
+ERROR_STEP = Step(top_k=2, hidden=16, dtype="bf16", tokens=(5,), max_tokens=8, seed=11)
+
+
+@dataclasses.dataclass
+class _Env:
+    ctx: object
+    group: object
+    handle: object
+    x: torch.Tensor
+    idx: torch.Tensor
+    w: torch.Tensor
+    T: int
+    H: int
+    K: int
+    E: int
+
+
+def _dispatch(env: _Env, x=None, idx=None, w=None, handle=None):
+    return te.ep_dispatch(
+        handle if handle is not None else env.handle,
+        env.x if x is None else x,
+        env.idx if idx is None else idx,
+        env.w if w is None else w,
+    )
+
+
+def _bad_then_good_combine(env: _Env, bad: bool, make_bad: Callable):
+    """A good dispatch on every rank, then a combine whose arguments are bad on the faulty rank."""
+    out = _dispatch(env)
+    expert_out = out.tokens.detach()
+    num_tokens = env.T
+    if bad:
+        expert_out, num_tokens = make_bad(env, expert_out, num_tokens)
+    return te.ep_combine(env.handle, expert_out, num_tokens)
+
+
+def _repeat_expert(env):
+    idx = env.idx.clone()
+    idx[2, 1] = idx[2, 0]
+    return idx
+
+
+def _non_contiguous(t: torch.Tensor) -> torch.Tensor:
+    nc = torch.empty(t.shape[::-1], dtype=t.dtype, device=t.device).t()
+    nc.copy_(t)
+    assert not nc.is_contiguous()
+    return nc
+
+
+def _too_many_tokens(env):
+    T = env.group.max_tokens_per_rank + 1
+    idx = torch.stack([torch.randperm(env.E)[: env.K] for _ in range(T)]).to(env.idx.device, env.idx.dtype)
+    x = fingerprint(env.ctx.rank, T, env.H, env.x.dtype).to(env.x.device)
+    return x, idx, torch.ones(T, env.K, device=env.w.device)
+
+
+# A dtype may be spelled the c10 way (docs/ops.md's example: "BFloat16") or the torch way
+# ("torch.bfloat16"); the contract asks that it be named, not how.
+DT = {
+    "bf16": ("BFloat16", "bfloat16"),
+    "fp16": ("Half", "float16"),
+    "fp32": ("Float", "float32"),
+    "fp64": ("Double", "float64"),
+}
+
+
+# name -> (faulty rank as a function of W, the call (env, bad) -> None, substrings the
+# faulty rank's message must contain (as a function of env)). The faulty rank alternates
+# between the first and the last one so neither is privileged by accident.
+BAD_INPUTS = {
+    "weights_bf16": (
+        lambda W: W - 1,
+        lambda env, bad: _dispatch(env, w=env.w.bfloat16() if bad else None),
+        lambda env: ["topk_weights", "float32", DT["bf16"]],
+    ),
+    "weights_fp64": (
+        lambda W: 0,
+        lambda env, bad: _dispatch(env, w=env.w.double() if bad else None),
+        lambda env: ["topk_weights", "float32", DT["fp64"]],
+    ),
+    "expert_id_too_large": (
+        lambda W: W - 1,
+        lambda env, bad: _dispatch(env, idx=env.idx.clone().index_fill_(0, torch.tensor([3], device=env.idx.device), env.E) if bad else None),
+        lambda env: ["topk_idx", str(env.E)],
+    ),
+    "expert_id_below_minus_one": (
+        lambda W: 0,
+        lambda env, bad: _dispatch(env, idx=env.idx.clone().fill_(-2) if bad else None),
+        lambda env: ["topk_idx", "-2"],
+    ),
+    "repeated_expert": (
+        lambda W: W - 1,
+        lambda env, bad: _dispatch(env, idx=_repeat_expert(env) if bad else None),
+        lambda env: ["topk_idx"],
+    ),
+    "idx_float": (
+        lambda W: 0,
+        lambda env, bad: _dispatch(env, idx=env.idx.float() if bad else None),
+        lambda env: ["topk_idx", DT["fp32"]],
+    ),
+    "hidden_mismatch": (
+        lambda W: W - 1,
+        lambda env, bad: _dispatch(env, x=torch.zeros(env.T, env.H + 1, dtype=env.x.dtype, device=env.x.device) if bad else None),
+        lambda env: ["tokens", str(env.H), str(env.H + 1)],
+    ),
+    "top_k_mismatch": (
+        lambda W: 0,
+        lambda env, bad: _dispatch(
+            env,
+            idx=torch.cat([env.idx, torch.full_like(env.idx[:, :1], -1)], 1) if bad else None,
+            w=torch.cat([env.w, env.w[:, :1]], 1) if bad else None,
+        ),
+        lambda env: ["topk_idx", str(env.K), str(env.K + 1)],
+    ),
+    "weights_shape": (
+        lambda W: W - 1,
+        lambda env, bad: _dispatch(env, w=env.w[:, :1].contiguous() if bad else None),
+        lambda env: ["topk_weights", str(env.K)],
+    ),
+    "tokens_rows_differ_from_prepare": (
+        lambda W: 0,
+        lambda env, bad: _dispatch(env, x=env.x[: env.T - 1] if bad else None),
+        lambda env: ["tokens", str(env.T), str(env.T - 1)],
+    ),
+    "tokens_dtype": (
+        lambda W: W - 1,
+        lambda env, bad: _dispatch(env, x=env.x.half() if bad else None),
+        lambda env: ["tokens", DT["bf16"], DT["fp16"]],
+    ),
+    "too_many_tokens": (
+        lambda W: 0,
+        lambda env, bad: _dispatch(env, *(_too_many_tokens(env) if bad else (None, None, None))),
+        lambda env: ["max_tokens_per_rank", str(env.group.max_tokens_per_rank), str(env.group.max_tokens_per_rank + 1)],
+    ),
+    "non_contiguous_tokens": (
+        lambda W: W - 1,
+        lambda env, bad: _dispatch(env, x=_non_contiguous(env.x) if bad else None),
+        lambda env: ["tokens", "contiguous"],
+    ),
+    "non_contiguous_idx": (
+        lambda W: 0,
+        lambda env, bad: _dispatch(env, idx=_non_contiguous(env.idx) if bad else None),
+        lambda env: ["topk_idx", "contiguous"],
+    ),
+    "non_contiguous_weights": (
+        lambda W: W - 1,
+        lambda env, bad: _dispatch(env, w=_non_contiguous(env.w) if bad else None),
+        lambda env: ["topk_weights", "contiguous"],
+    ),
+    "tokens_on_meta_device": (
+        lambda W: 0,
+        lambda env, bad: _dispatch(env, x=env.x.to("meta") if bad else None),
+        lambda env: ["tokens", "meta"],
+    ),
+    "idx_on_meta_device": (
+        lambda W: W - 1,
+        lambda env, bad: _dispatch(env, idx=env.idx.to("meta") if bad else None),
+        lambda env: ["topk_idx", "meta"],
+    ),
+    "combine_num_tokens": (
+        lambda W: W - 1,
+        lambda env, bad: _bad_then_good_combine(env, bad, lambda env, eo, n: (eo, n + 1)),
+        lambda env: ["num_tokens", str(env.T), str(env.T + 1)],
+    ),
+    "combine_rows": (
+        lambda W: 0,
+        lambda env, bad: _bad_then_good_combine(env, bad, lambda env, eo, n: (eo[:-1], n)),
+        lambda env: ["expert_out", str(env.handle.config.capacity), str(env.handle.config.capacity - 1)],
+    ),
+    "combine_dtype": (
+        lambda W: W - 1,
+        lambda env, bad: _bad_then_good_combine(env, bad, lambda env, eo, n: (eo.float(), n)),
+        lambda env: ["expert_out", DT["bf16"], DT["fp32"]],
+    ),
+}
+
+
+def _error_env(ctx, group, handle) -> _Env:
+    dev, st = torch.device(ctx.device), ERROR_STEP
+    idx_all, w_all = all_inputs(st, ctx.world_size)
+    T = st.num_tokens(ctx.rank)
+    x = fingerprint(ctx.rank, T, st.hidden, st.torch_dtype()).to(dev)
+    return _Env(ctx, group, handle, x, idx_all[ctx.rank].to(dev), w_all[ctx.rank].to(dev), T, st.hidden,
+                st.top_k, group.num_experts)
+
+
+def check_collective_error(ctx, call: Callable, faulty: set, expected: Sequence[str]) -> None:
+    """`call` must raise RuntimeError on every rank: the faulty ranks with their own
+    message (containing `expected`), the others naming a faulty rank."""
+    try:
+        call()
+    except RuntimeError as e:
+        msg = str(e)
+    else:
+        raise AssertionError(f"rank {ctx.rank}: no error raised (faulty ranks {sorted(faulty)})")
+    if ctx.rank in faulty:
+        # an entry of `expected` is a substring or a tuple of alternative spellings
+        missing = [s for s in expected if not any(a in msg for a in ((s,) if isinstance(s, str) else s))]
+        assert not missing, f"rank {ctx.rank} (faulty): message lacks {missing}: {msg!r}"
+    else:
+        named = [f for f in faulty if f"rank {f}" in msg]
+        assert named, f"rank {ctx.rank}: message names none of the faulty ranks {sorted(faulty)}: {msg!r}"
+        assert "te_ep." in msg, f"rank {ctx.rank}: message does not name the op: {msg!r}"
+
+
+def case_bad_inputs(ctx, names: Sequence[str]) -> None:
+    """Each bad call raises on every rank; then a good step on the same handle is exact."""
+    group = make_group(ctx, ERROR_STEP)
+    handle = group.create_handle(top_k=ERROR_STEP.top_k, hidden=ERROR_STEP.hidden, dtype=ERROR_STEP.torch_dtype())
+    env = _error_env(ctx, group, handle)
+    for name in names:
+        faulty_of, call, expected = BAD_INPUTS[name]
+        faulty = faulty_of(ctx.world_size)
+        check_collective_error(ctx, lambda: call(env, ctx.rank == faulty), {faulty}, expected(env))
+        run_exact_step(ctx, group, handle, ERROR_STEP, ctx.rank, ctx.world_size, tag=f"after {name}: ")
+    group.shutdown()
+
+
+def case_capacity_overflow(ctx) -> None:
+    """A too-small capacity raises `capacity overflow` on every rank in prepare; a step that
+    fits works afterwards on the same handle."""
+    W = ctx.world_size
+    dev = torch.device(ctx.device)
+    # Every choice goes to rank 0: 2 * W * 8 rows there, more than the capacity below.
+    hot = Step(top_k=2, hidden=16, tokens=(8,), mode="only_rank0", seed=5)
+    group = make_group(ctx, hot)
+    # nccl_ep refuses a capacity below its floor (docs/ops.md); 2 * W * 8 rows still overflow that.
+    cap = max(2 * W, nccl_ep_capacity_floor(group.max_tokens_per_rank))
+    handle = group.create_handle(top_k=2, hidden=16, dtype=torch.bfloat16, capacity=cap)
+    assert handle.config.capacity == cap
+    idx_all, w_all = all_inputs(hot, W)
+    x = fingerprint(ctx.rank, 8, 16, torch.bfloat16).to(dev)
+    expected = ["capacity", str(cap)]
+    check_collective_error(ctx, lambda: handle.prepare(idx_all[ctx.rank].to(dev)), {0}, expected)
+    check_collective_error(
+        ctx, lambda: te.ep_dispatch(handle, x, idx_all[ctx.rank].to(dev), w_all[ctx.rank].to(dev)), {0}, expected
+    )
+    # T=1, K=2: at most 2 * W rows per rank, which fits.
+    small = Step(top_k=2, hidden=16, tokens=(1,), seed=6)
+    run_exact_step(ctx, group, handle, small, ctx.rank, W, tag="after overflow: ")
+
+    # Overflow caused only by alignment padding: every token picks all experts of rank 0, so
+    # each zone there gets W * pad_tokens real rows, and an alignment above that pads every
+    # zone; the capacity is just the real rows, enough tokens for them to reach nccl_ep's floor.
+    E_local = group.num_local_experts
+    pad_tokens = -(-nccl_ep_capacity_floor(group.max_tokens_per_rank) // (E_local * W))
+    alignment = 1 << (W * pad_tokens).bit_length()
+    pad = Step(top_k=E_local, hidden=16, tokens=(pad_tokens,), mode="only_rank0", alignment=alignment, seed=7,
+               max_tokens=group.max_tokens_per_rank)
+    idx_all, _ = all_inputs(pad, W)
+    real_rows = sum(int((i >= 0).sum()) for i in idx_all)
+    h2 = group.create_handle(top_k=E_local, hidden=16, dtype=torch.bfloat16, alignment=alignment,
+                             capacity=real_rows)
+    check_collective_error(ctx, lambda: h2.prepare(idx_all[ctx.rank].to(dev)), {0}, ["capacity"])
+    group.shutdown()
+
+
+def case_destroyed_handle(ctx) -> None:
+    W = ctx.world_size
+    group = make_group(ctx, ERROR_STEP)
+    mk = lambda: group.create_handle(top_k=ERROR_STEP.top_k, hidden=ERROR_STEP.hidden, dtype=ERROR_STEP.torch_dtype())
+    # destroyed on every rank
+    h = mk()
+    env = _error_env(ctx, group, h)
+    hid = h.id
+    h.destroy()
+    assert hid not in torch.ops.te_ep.live_handles()
+    msg = expect_raises(lambda: _dispatch(env), str(hid))
+    assert "handle" in msg.lower(), msg
+    # the group still works
+    h = mk()
+    run_exact_step(ctx, group, h, ERROR_STEP, ctx.rank, W, tag="after destroyed handle: ")
+    group.shutdown()
+
+
+def case_destroyed_handle_one_rank(ctx) -> None:
+    """A handle destroyed on one rank only (a user bug) is an argument error like any other:
+    that rank names the handle, the others name that rank, nobody hangs."""
+    W = ctx.world_size
+    group = make_group(ctx, ERROR_STEP)
+    mk = lambda: group.create_handle(top_k=ERROR_STEP.top_k, hidden=ERROR_STEP.hidden, dtype=ERROR_STEP.torch_dtype())
+    h = mk()
+    env = _error_env(ctx, group, h)
+    faulty = W - 1
+    if ctx.rank == faulty:
+        h.destroy()
+    check_collective_error(ctx, lambda: _dispatch(env), {faulty}, ["handle", str(h.id)])
+    h.destroy()
+    h = mk()
+    run_exact_step(ctx, group, h, ERROR_STEP, ctx.rank, W, tag="after one-rank destroyed handle: ")
+    group.shutdown()
+
+
+def case_dispatch_before_prepare(ctx) -> None:
+    """The raw ops can be called on a handle with no routing (never prepared, or its last
+    prepare failed): a user error, so a clear RuntimeError on every rank naming prepare,
+    not an internal assert."""
+    W, dev = ctx.world_size, torch.device(ctx.device)
+    st = ERROR_STEP
+    group = make_group(ctx, st)
+    h = group.create_handle(top_k=st.top_k, hidden=st.hidden, dtype=st.torch_dtype())
+    env = _error_env(ctx, group, h)
+    ops = torch.ops.te_ep
+    cap = h.config.capacity
+    calls = {
+        "dispatch": lambda: ops.dispatch(env.x, env.w, h.handle_mem, group.group_name, h.id, cap),
+        "combine": lambda: ops.combine(torch.zeros(cap, st.hidden, dtype=st.torch_dtype(), device=dev),
+                                       h.handle_mem, group.group_name, h.id, env.T),
+        "combine_bwd": lambda: ops.combine_bwd(env.x, h.handle_mem, group.group_name, h.id, cap),
+    }
+    for name, call in calls.items():
+        msg = expect_raises(call, "prepare")
+        assert "INTERNAL ASSERT" not in msg, f"{name} before prepare hits an internal assert: {msg!r}"
+    run_exact_step(ctx, group, h, st, ctx.rank, W, tag="after dispatch before prepare: ")
+    group.shutdown()
+
+
+def case_config_errors(ctx) -> None:
+    """Config errors are ValueErrors raised on every rank (the same config everywhere), and
+    leave nothing behind: a good group + step afterwards works."""
+    W = ctx.world_size
+    expect_raises(
+        lambda: te.EpGroup(None, num_experts=2 * W + 1, max_tokens_per_rank=8, backend=ctx.backend, device=ctx.device),
+        "num_experts", str(2 * W + 1), exc=ValueError,
+    )
+    expect_raises(
+        lambda: te.EpGroup(None, num_experts=4 * W, max_tokens_per_rank=8, backend="no_such_backend", device=ctx.device),
+        "no_such_backend", exc=ValueError,
+    )
+    if ctx.backend == "nccl_ep":
+        _check_nccl_ep_size_rules(ctx)
+    group = make_group(ctx, ERROR_STEP)
+    for bad in (
+        dict(alignment=3),
+        dict(alignment=0),
+        dict(alignment=-8),
+        dict(top_k=0),
+        dict(top_k=group.num_experts + 1),
+        dict(hidden=0),
+    ):
+        kw = dict(top_k=2, hidden=16, dtype=torch.bfloat16)
+        kw.update(bad)
+        key, val = next(iter(bad.items()))
+        expect_raises(lambda: group.create_handle(**kw), key, str(val), exc=ValueError)
+    h = group.create_handle(top_k=ERROR_STEP.top_k, hidden=ERROR_STEP.hidden, dtype=ERROR_STEP.torch_dtype())
+    run_exact_step(ctx, group, h, ERROR_STEP, ctx.rank, W, tag="after config errors: ")
+    group.shutdown()
+
+
+def _check_nccl_ep_size_rules(ctx) -> None:
+    """nccl_ep's size rules (docs/ops.md, last table) are RuntimeErrors of create_handle,
+    raised on every rank alike before any communication."""
+    W, dt, m = ctx.world_size, torch.bfloat16, NCCL_EP_EXPERT_MULTIPLE
+    if W % m:  # at the other W, every num_experts divisible by W is a multiple of m
+        g = te.EpGroup(None, num_experts=W, max_tokens_per_rank=8, backend="nccl_ep", device=ctx.device)
+        expect_raises(lambda: g.create_handle(top_k=1, hidden=16, dtype=dt), f"multiple of {m}", f"num_experts={W}")
+        g.shutdown()
+    g = make_group(ctx, ERROR_STEP)
+    floor = nccl_ep_capacity_floor(g.max_tokens_per_rank)
+    expect_raises(lambda: g.create_handle(top_k=2, hidden=4, dtype=dt), "multiple of 16", "hidden=4")
+    expect_raises(lambda: g.create_handle(top_k=2, hidden=16, dtype=dt, capacity=floor - 1), f"capacity={floor - 1}")
+    g.shutdown()
+
+
+def case_stale_backward(ctx) -> None:
+    """A handle holds only its latest routing: the backward of step 1 after step 2 re-prepared
+    the handle must raise (on every rank, as every rank does the same), not return wrong
+    gradients. Step 2's backward and later steps are unaffected."""
+    W, dev = ctx.world_size, torch.device(ctx.device)
+    st = ERROR_STEP
+    group = make_group(ctx, st)
+    handle = group.create_handle(top_k=st.top_k, hidden=st.hidden, dtype=st.torch_dtype())
+    ys = []
+    for salt in (0, 1):
+        idx_all, w_all = all_inputs(st, W, salt)
+        x = fingerprint(ctx.rank, st.num_tokens(ctx.rank), st.hidden, st.torch_dtype()).to(dev, copy=True).requires_grad_()
+        w = w_all[ctx.rank].to(dev, copy=True).requires_grad_()
+        out = te.ep_dispatch(handle, x, idx_all[ctx.rank].to(dev), w)
+        ys.append((te.ep_combine(handle, (out.tokens.float() * out.weights[:, None]).to(x.dtype), x.shape[0]), x))
+    msg = expect_raises(lambda: ys[0][0].sum().backward(), "prepared again")
+    assert str(handle.id) in msg, msg
+    ys[1][0].float().sum().backward()
+    assert ys[1][1].grad is not None
+    run_exact_step(ctx, group, handle, st, ctx.rank, W, tag="after stale backward: ")
+    group.shutdown()
+

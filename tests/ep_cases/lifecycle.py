@@ -1,0 +1,101 @@
+"""Groups and handles: attributes, shutdown and re-creation, sub-process-groups."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+import te_ep_torch as te
+
+from .common import Step, all_inputs, expect_raises, fingerprint, make_group
+from .exact import run_exact_step
+
+
+def case_group_api(ctx) -> None:
+    """Attributes, worst-case capacity formula, handle config; auto backend."""
+    W = ctx.world_size
+    for E_local, maxT in ((4, 7), (8, 13)):
+        g = te.EpGroup(None, num_experts=E_local * W, max_tokens_per_rank=maxT, backend=ctx.backend, device=ctx.device)
+        assert (g.rank, g.ep_size) == (ctx.rank, W), (g.rank, g.ep_size)
+        assert (g.num_experts, g.num_local_experts, g.max_tokens_per_rank) == (E_local * W, E_local, maxT)
+        assert g.backend == ctx.backend, g.backend
+        assert torch.device(g.device) == torch.device(ctx.device), g.device
+        assert g.group_name == dist.group.WORLD.group_name, (g.group_name, dist.group.WORLD.group_name)
+        for K in (1, 2, 5):
+            for a in (1, 8, 128):
+                want = W * maxT * min(K, E_local) + E_local * (a - 1)
+                assert g.worst_case_capacity(K, a) == want, (K, a, g.worst_case_capacity(K, a), want)
+                assert g.worst_case_capacity(K) == W * maxT * min(K, E_local)
+        h = g.create_handle(top_k=2, hidden=24, dtype=torch.float16, alignment=16)
+        cfg = h.config
+        assert isinstance(cfg, te.HandleConfig)
+        assert (cfg.top_k, cfg.hidden, cfg.dtype, cfg.alignment, cfg.capacity) == (
+            2, 24, torch.float16, 16, g.worst_case_capacity(2, 16)), cfg
+        try:
+            cfg.top_k = 3
+        except dataclasses.FrozenInstanceError:
+            pass
+        else:
+            raise AssertionError("HandleConfig is not frozen")
+        assert h.id in torch.ops.te_ep.live_handles()
+        g.shutdown()
+        assert h.id not in torch.ops.te_ep.live_handles()
+    if torch.device(ctx.device).type == "cpu":
+        g = te.EpGroup(None, num_experts=W, max_tokens_per_rank=4, backend="auto", device=ctx.device)
+        assert g.backend == "reference", f"auto on CPU chose {g.backend!r}"
+        g.shutdown()
+
+
+def case_shutdown_reinit(ctx) -> None:
+    """shutdown() destroys the group's handles; a new group in the same process works;
+    repeated cycles leak no handles."""
+    W = ctx.world_size
+    before = set(torch.ops.te_ep.live_handles())
+    for cycle, st in enumerate([
+        Step(top_k=2, hidden=16, seed=20),
+        Step(top_k=3, hidden=32, experts_per_rank=8, dtype="fp32", alignment=8, seed=21),
+        Step(top_k=1, hidden=16, seed=22),
+    ]):
+        group = make_group(ctx, st)
+        h1 = group.create_handle(top_k=st.top_k, hidden=st.hidden, dtype=st.torch_dtype(), alignment=st.alignment)
+        h2 = group.create_handle(top_k=st.top_k, hidden=st.hidden, dtype=st.torch_dtype(), alignment=st.alignment)
+        run_exact_step(ctx, group, h1, st, ctx.rank, W, tag=f"cycle {cycle} h1: ")
+        run_exact_step(ctx, group, h2, st, ctx.rank, W, salt=1, tag=f"cycle {cycle} h2: ")
+        assert {h1.id, h2.id} <= set(torch.ops.te_ep.live_handles())
+        group.shutdown()
+        assert set(torch.ops.te_ep.live_handles()) == before, (torch.ops.te_ep.live_handles(), before)
+        # a handle of a shut-down group is an error on every rank, not a crash or a hang
+        idx_all, w_all = all_inputs(st, W)
+        x = fingerprint(ctx.rank, st.num_tokens(ctx.rank), st.hidden, st.torch_dtype()).to(ctx.device)
+        msg = expect_raises(
+            lambda: te.ep_dispatch(h1, x, idx_all[ctx.rank].to(ctx.device), w_all[ctx.rank].to(ctx.device))
+        )
+        assert "handle" in msg.lower(), msg
+
+
+def case_subgroups(ctx) -> None:
+    """EP over sub-process-groups: halves of the world for W >= 4, else a copy of the
+    world with its own name, interleaved with a WORLD group."""
+    W = ctx.world_size
+    if W >= 4:
+        halves = [list(range(0, W // 2)), list(range(W // 2, W))]
+    else:
+        halves = [list(range(W))]
+    subs = [dist.new_group(ranks) for ranks in halves]  # every rank creates every group
+    mine = next(s for s, ranks in zip(subs, halves) if ctx.rank in ranks)
+    st = Step(top_k=2, hidden=16, tokens=(7, 13, 4), seed=30)
+    sub_group = make_group(ctx, st, process_group=mine)
+    world_group = make_group(ctx, st)
+    Wsub = dist.get_world_size(mine)
+    assert sub_group.ep_size == Wsub and sub_group.rank == dist.get_rank(mine)
+    assert sub_group.group_name == mine.group_name != world_group.group_name
+    hs = sub_group.create_handle(top_k=2, hidden=16, dtype=torch.bfloat16)
+    hw = world_group.create_handle(top_k=2, hidden=16, dtype=torch.bfloat16)
+    run_exact_step(ctx, sub_group, hs, st, sub_group.rank, Wsub, tag="subgroup: ")
+    run_exact_step(ctx, world_group, hw, st, ctx.rank, W, tag="world: ")
+    run_exact_step(ctx, sub_group, hs, st, sub_group.rank, Wsub, salt=1, tag="subgroup again: ")
+    sub_group.shutdown()
+    world_group.shutdown()
+
