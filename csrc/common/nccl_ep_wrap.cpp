@@ -158,13 +158,6 @@ Communicator::Window Communicator::register_window(size_t bytes) {
   return w;
 }
 
-size_t Communicator::window_bytes() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  size_t total = 0;
-  for (const Window& w : windows_) total += w.bytes;
-  return total;
-}
-
 namespace {
 
 // max_num_sms caps every NCCL EP kernel, the local permute/dup and the

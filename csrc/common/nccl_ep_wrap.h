@@ -63,12 +63,11 @@ class Communicator {
     size_t bytes = 0;
   };
   Window register_window(size_t bytes);
-  size_t window_bytes() const;
 
  private:
   ncclComm_t comm_ = nullptr;
   int device_ = -1;
-  mutable std::mutex mutex_;
+  std::mutex mutex_;
   std::vector<Window> windows_;
 };
 
