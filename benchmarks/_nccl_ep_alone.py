@@ -19,6 +19,12 @@ registered as symmetric windows (``NCCL_WIN_COLL_SYMMETRIC``), one for the
 received rows and one for the combine input, because combine reduces inside
 its input. ``zero_copy=False`` creates the group with ZERO_COPY_OFF and passes
 plain torch tensors, which NCCL EP reaches through its own staging buffers.
+
+``flat=True`` is the other route NCCL EP offers: the FLAT layout (one slot per
+token and destination rank, with the slot's local expert ids and weights)
+followed by te_ep's own permute into the same expert-major rows, and on the way
+back te_ep's unpermute (a sum of each slot's local expert rows) before NCCL EP's
+combine. Its dispatch and combine times include those te_ep kernels.
 """
 
 from __future__ import annotations
@@ -77,10 +83,13 @@ class NcclEpAlone:
     """One NCCL EP group and expert-major handle over fixed tokens and routing (collective)."""
 
     def __init__(self, *, tokens: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 num_experts: int, capacity: int, alignment: int, zero_copy: bool) -> None:
+                 num_experts: int, capacity: int, alignment: int, zero_copy: bool, flat: bool = False) -> None:
         import nccl.ep as ep
 
         self.zero_copy = zero_copy
+        self.flat = flat
+        self._capacity, self._alignment = capacity, alignment
+        self._local_experts = num_experts // dist.get_world_size()
         self._ep = ep
         device = tokens.device
         num_tokens, hidden = tokens.shape
@@ -90,41 +99,55 @@ class NcclEpAlone:
         self._comm = _communicator(device)
         try:
             send_budget = -(-num_tokens // SEND_BUDGET_MULTIPLE) * SEND_BUDGET_MULTIPLE
+            # FLAT: one slot per (token, destination rank); at most every token of every rank.
+            slots = send_budget * dist.get_world_size() if flat else capacity
             self._group = ep.Group.create(self._comm, ep.GroupConfig(
                 algorithm=ep.Algorithm.HIGH_THROUGHPUT,
                 num_experts=num_experts,
                 max_dispatch_tokens_per_rank=send_budget,
-                max_recv_tokens_per_rank=capacity,
+                max_recv_tokens_per_rank=slots,
                 max_token_bytes=hidden * tokens.element_size(),
                 max_num_sms=0,
                 zero_copy=ep.ZeroCopyMode.ON if zero_copy else ep.ZeroCopyMode.OFF,
                 overflow_policy=ep.OverflowPolicy.TRAP,
             ))
             if zero_copy:
-                self.recv, recv_desc = self._window_rows(capacity, hidden, tokens.dtype, device)
-                self._combine_rows, combine_desc = self._window_rows(capacity, hidden, tokens.dtype, device)
+                self.recv, recv_desc = self._window_rows(slots, hidden, tokens.dtype, device)
+                self._combine_rows, combine_desc = self._window_rows(slots, hidden, tokens.dtype, device)
                 self._combine_in = ep.CombineInputs(tokens=combine_desc)
             else:
-                self.recv = torch.empty(capacity, hidden, dtype=tokens.dtype, device=device)
+                self.recv = torch.empty(slots, hidden, dtype=tokens.dtype, device=device)
                 recv_desc = ep.Tensor(self.recv)
                 self._combine_rows = self._combine_in = None  # combine reads the expert output itself
-            self._recv_weights = torch.empty(capacity, dtype=torch.float32, device=device)
-            self._expert_counts = torch.zeros(num_experts // dist.get_world_size(), dtype=torch.int32, device=device)
+            top_k = topk_idx.shape[1]
+            if flat:
+                # Per slot: the K weights and the K local expert ids (-1: not for this rank).
+                self._recv_weights = torch.empty(slots, top_k, dtype=torch.float32, device=device)
+                self._recv_idx = torch.full((slots, top_k), -1, dtype=torch.int64, device=device)
+                recv_idx_desc = ep.Tensor(self._recv_idx)
+            else:
+                self._recv_weights = torch.empty(slots, dtype=torch.float32, device=device)
+                self._recv_idx, recv_idx_desc = None, None
+            self._expert_counts = torch.zeros(self._local_experts, dtype=torch.int32, device=device)
             self._recv_total = torch.zeros(1, dtype=torch.int32, device=device)
             self.out = torch.empty_like(tokens)
             self._expert_out = None
+            self._perm_map = None
             # The descriptors only point at these tensors: every one stays referenced here.
             self._topk_idx = ep.Tensor(topk_idx)
-            self._layout_info = ep.LayoutInfo(expert_counters=ep.Tensor(self._expert_counts),
-                                              recv_total_counter=ep.Tensor(self._recv_total))
+            self._layout_info = ep.LayoutInfo(
+                expert_counters=ep.Tensor(self._expert_counts), recv_total_counter=ep.Tensor(self._recv_total),
+                **({"recv_topk_idx_kind": ep.ExpertIdKind.LOCAL} if flat else {}))
             self._dispatch_in = ep.DispatchInputs(tokens=ep.Tensor(tokens), topk_weights=ep.Tensor(topk_weights))
-            self._dispatch_out = ep.DispatchOutputs(tokens=recv_desc, topk_weights=ep.Tensor(self._recv_weights))
+            self._dispatch_out = ep.DispatchOutputs(tokens=recv_desc, topk_weights=ep.Tensor(self._recv_weights),
+                                                    topk_idx=recv_idx_desc)
             self._dispatch_config = ep.DispatchConfig(pass_direction=ep.PassDir.FWD)
             self._combine_out = ep.CombineOutputs(tokens=ep.Tensor(self.out))
             self._combine_config = ep.CombineConfig(pass_direction=ep.PassDir.FWD)
             self._handle = self._group.create_handle(
-                ep.Layout.EXPERT_MAJOR, self._topk_idx, layout_info=self._layout_info,
-                config=ep.HandleConfig(dispatch_output_per_expert_alignment=alignment), stream=self._stream)
+                ep.Layout.FLAT if flat else ep.Layout.EXPERT_MAJOR, self._topk_idx, layout_info=self._layout_info,
+                config=None if flat else ep.HandleConfig(dispatch_output_per_expert_alignment=alignment),
+                stream=self._stream)
         except BaseException:
             self.close()
             raise
@@ -146,10 +169,24 @@ class NcclEpAlone:
         self._handle.update(self._topk_idx, layout_info=self._layout_info, stream=self._stream)
 
     def dispatch_op(self) -> torch.Tensor:
-        """ncclEpDispatch (forward) on the prepared routing; returns the receive rows."""
+        """ncclEpDispatch (forward) on the prepared routing; returns the receive rows.
+
+        FLAT: the received slots (one per token and destination rank) are then
+        permuted by te_ep's kernel into the same expert-major rows (``capacity``,
+        alignment) as the expert-major layout gives. Slots past the received total
+        are not written by NCCL EP: their expert ids are reset to -1 first.
+        """
+        if self.flat:
+            self._recv_idx.fill_(-1)
         self._handle.dispatch(self._dispatch_in, self._dispatch_out, config=self._dispatch_config,
                               stream=self._stream)
-        return self.recv
+        if not self.flat:
+            return self.recv
+        from te_ep_torch.permutation import permute
+
+        rows, _, self._perm_map = permute(self.recv, self._recv_idx, num_experts=self._local_experts,
+                                          capacity=self._capacity, alignment=self._alignment)
+        return rows
 
     def dispatch(self) -> torch.Tensor:
         self.prepare()
@@ -158,15 +195,29 @@ class NcclEpAlone:
     def set_expert_output(self, expert_out: torch.Tensor) -> None:
         """What combine sends back: read in place when staged, copied in by fill_combine_window otherwise."""
         self._expert_out = expert_out
-        if not self.zero_copy:
+        if not self.zero_copy and not self.flat:
             self._combine_in = self._ep.CombineInputs(tokens=self._ep.Tensor(expert_out))
 
     def fill_combine_window(self) -> None:
-        """Zero-copy: write the expert output into the combine window, which each combine consumes."""
-        self._combine_rows.copy_(self._expert_out)
+        """Zero-copy expert-major: write the expert output into the combine window, which each combine consumes."""
+        if not self.flat:
+            self._combine_rows.copy_(self._expert_out)
 
     def combine(self) -> torch.Tensor:
-        """ncclEpCombine (forward): ``[T, hidden]``, each token's expert rows summed."""
+        """ncclEpCombine (forward): ``[T, hidden]``, each token's expert rows summed.
+
+        FLAT: te_ep's unpermute first sums each slot's local expert rows (timed);
+        in zero-copy mode that sum is copied into the combine window (timed too).
+        """
+        if self.flat:
+            from te_ep_torch.permutation import unpermute
+
+            slots = unpermute(self._expert_out, self._perm_map)
+            if self.zero_copy:
+                self._combine_rows.copy_(slots)
+            else:
+                self._flat_slots = slots  # referenced until the combine has read it
+                self._combine_in = self._ep.CombineInputs(tokens=self._ep.Tensor(slots))
         self._handle.combine(self._combine_in, self._combine_out, config=self._combine_config, stream=self._stream)
         return self.out
 

@@ -16,6 +16,11 @@ with the same receive capacity and zone alignment, runs through
   nccl4py's ``nccl.core``, benchmarks/_nccl_ep_alone.py) in the same NCCL EP
   configuration, once per mode (``auto`` counts as ``zero_copy``); skipped,
   saying why, where those packages don't import;
+* ``nccl.ep-flat/MODE`` (only with ``--backends ... nccl_ep_flat``) the other
+  route NCCL EP offers to expert-major rows: its FLAT layout (one slot per token
+  and destination rank) and then te_ep's ``permute`` into the same rows; combine
+  is te_ep's ``unpermute`` (summing each slot's local expert rows) and NCCL EP's
+  combine. Those te_ep kernels are inside the timed ops;
 * ``te_ep/reference`` te_ep_torch's torch.distributed backend (only with
   ``--backends ... reference``);
 * ``all_to_all``   the baseline a user would write (TorchTitan style): sort
@@ -117,7 +122,7 @@ DTYPE = torch.bfloat16
 MODES = ("staged", "zero_copy", "auto")
 # Execution order: the variants least likely to take the process down first, so
 # that their numbers are printed (progress lines) whatever happens later.
-BACKENDS = ("all_to_all", "a2a_dedup", "reference", "nccl_ep", "nccl_ep_alone")
+BACKENDS = ("all_to_all", "a2a_dedup", "reference", "nccl_ep", "nccl_ep_alone", "nccl_ep_flat")
 DEFAULT_BACKENDS = ["nccl_ep", "nccl_ep_alone", "all_to_all", "a2a_dedup"]
 OPS = ("prepare", "dispatch_op", "dispatch", "combine", "combine_copy")
 CHECK_TOLERANCE = 1e-2  # relative to max |top_k * x|; bf16 keeps 8 significant bits
@@ -359,6 +364,8 @@ class NcclEpAloneVariant(Variant):
 
     kind = "nccl.ep"
 
+    flat = False
+
     def __init__(self, mode: str, suffix: str, shape: Shape, routing: Routing, capacity: int,
                  alignment: int) -> None:
         if routing.tokens.device.type != "cuda":
@@ -368,10 +375,11 @@ class NcclEpAloneVariant(Variant):
             raise Skip(reason)
         self.mode = mode
         self.capacity = capacity
-        super().__init__(f"nccl.ep/{mode}{suffix}")
+        super().__init__(f"{'nccl.ep-flat' if self.flat else 'nccl.ep'}/{mode}{suffix}")
         self.alone = _nccl_ep_alone.NcclEpAlone(
             tokens=routing.tokens, topk_idx=routing.topk_idx, topk_weights=routing.topk_weights,
             num_experts=shape.experts, capacity=capacity, alignment=alignment, zero_copy=mode == "zero_copy",
+            flat=self.flat,
         )
 
     def dispatch(self) -> torch.Tensor:
@@ -393,6 +401,12 @@ class NcclEpAloneVariant(Variant):
     def close(self) -> None:
         super().close()
         self.alone.close()
+
+
+class NcclEpFlatVariant(NcclEpAloneVariant):
+    """NCCL EP's FLAT layout + te_ep's permute / unpermute (the other route to expert-major rows)."""
+
+    flat = True
 
 
 class AllToAll(Variant):
@@ -532,6 +546,8 @@ class VariantSpec:
             return f"te_ep/{self.mode}{self.suffix}"
         if self.backend == "nccl_ep_alone":
             return f"nccl.ep/{self.mode}{self.suffix}"
+        if self.backend == "nccl_ep_flat":
+            return f"nccl.ep-flat/{self.mode}{self.suffix}"
         return "te_ep/reference" if self.backend == "reference" else self.backend
 
 
@@ -544,7 +560,7 @@ def variant_specs(args) -> List[VariantSpec]:
     for backend in (b for b in BACKENDS if b in args.backends):
         if backend == "nccl_ep":
             out += [VariantSpec(backend, mode, spec, env) for spec, env in envs for mode in args.modes]
-        elif backend == "nccl_ep_alone":
+        elif backend in ("nccl_ep_alone", "nccl_ep_flat"):
             out += [VariantSpec(backend, mode, spec, env) for spec, env in envs for mode in alone_modes]
         else:
             out.append(VariantSpec(backend))
@@ -585,6 +601,8 @@ def make_variant(spec: VariantSpec, shape: Shape, routing: Routing, capacity: in
     if spec.backend == "a2a_dedup":
         return AllToAllDedup(shape, routing, world, capacity, args.alignment)
     with env_setting(spec.env):
+        if spec.backend == "nccl_ep_flat":
+            return NcclEpFlatVariant(spec.mode, spec.suffix, shape, routing, capacity, args.alignment)
         if spec.backend == "nccl_ep_alone":
             return NcclEpAloneVariant(spec.mode, spec.suffix, shape, routing, capacity, args.alignment)
         return TeEp(spec.backend, spec.mode, spec.suffix, shape, routing, capacity, args.alignment)

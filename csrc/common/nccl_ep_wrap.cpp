@@ -97,19 +97,6 @@ class DeviceScope {
 
 }  // namespace
 
-size_t dtype_size(DType dtype) {
-  switch (dtype) {
-    case DType::kBFloat16:
-    case DType::kFloat16:
-      return 2;
-    case DType::kFloat32:
-    case DType::kInt32:
-      return 4;
-    case DType::kInt64:
-      return 8;
-  }
-  throw std::logic_error("te_ep nccl_ep backend: unknown DType");
-}
 
 UniqueId make_unique_id() {
   ncclUniqueId id;

@@ -22,14 +22,14 @@
 #include <mutex>
 #include <vector>
 
+#include "common/dtype.h"
 #include "common/nccl_ep_runtime.h"
 
 namespace te_ep {
 namespace nccl_ep {
 
-enum class DType { kBFloat16, kFloat16, kFloat32, kInt32, kInt64 };
-
-size_t dtype_size(DType dtype);
+using te_ep::DType;
+using te_ep::dtype_size;
 
 using UniqueId = std::array<char, NCCL_UNIQUE_ID_BYTES>;
 

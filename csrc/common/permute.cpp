@@ -8,17 +8,6 @@
 namespace te_ep {
 namespace permutation {
 
-size_t element_size(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return 4;
-    case DType::kFloat16:
-    case DType::kBFloat16:
-      return 2;
-  }
-  return 0;
-}
-
 namespace {
 
 // Half/bfloat16 conversions without a framework: both round to nearest even,
@@ -83,6 +72,8 @@ float load_float(const void* row, int64_t i, DType dtype) {
       return fp16_to_float(static_cast<const uint16_t*>(row)[i]);
     case DType::kBFloat16:
       return bf16_to_float(static_cast<const uint16_t*>(row)[i]);
+    default:  // not a row type: the adapter has refused it
+      break;
   }
   return 0.f;
 }
@@ -97,6 +88,8 @@ void store_float(void* row, int64_t i, DType dtype, float value) {
       return;
     case DType::kBFloat16:
       static_cast<uint16_t*>(row)[i] = float_to_bf16(value);
+      return;
+    default:  // not a row type: the adapter has refused it
       return;
   }
 }
@@ -169,7 +162,7 @@ MapResult build_permute_map_cpu(const Routing& routing, int64_t num_experts, int
 void permute_rows_cpu(const void* tokens, DType dtype, int64_t num_tokens, int64_t hidden, int64_t num_choices,
                       const int32_t* row_id_map, const float* scale, const float* probs, int64_t capacity,
                       const int32_t* src_slot, void* out, float* out_probs) {
-  const int64_t row_bytes = hidden * static_cast<int64_t>(element_size(dtype));
+  const int64_t row_bytes = hidden * static_cast<int64_t>(dtype_size(dtype));
   for (int64_t t = 0; t < num_tokens; ++t) {
     const char* src = row_at(tokens, t, row_bytes);
     for (int64_t c = 0; c < num_choices; ++c) {
@@ -194,7 +187,7 @@ void permute_rows_cpu(const void* tokens, DType dtype, int64_t num_tokens, int64
 
 void unpermute_rows_cpu(const void* input, DType dtype, int64_t num_tokens, int64_t hidden, int64_t num_choices,
                         const int32_t* row_id_map, const float* scale, void* out) {
-  const int64_t row_bytes = hidden * static_cast<int64_t>(element_size(dtype));
+  const int64_t row_bytes = hidden * static_cast<int64_t>(dtype_size(dtype));
   std::vector<float> acc(hidden);
   for (int64_t t = 0; t < num_tokens; ++t) {
     std::fill(acc.begin(), acc.end(), 0.f);
@@ -217,7 +210,7 @@ void gather_values_cpu(const int32_t* index, int64_t n, const float* values, flo
 
 void unpermute_probs_grad_cpu(const void* grad_out, const void* input, DType dtype, int64_t num_tokens,
                               int64_t hidden, int64_t num_choices, const int32_t* row_id_map, float* grad_probs) {
-  const int64_t row_bytes = hidden * static_cast<int64_t>(element_size(dtype));
+  const int64_t row_bytes = hidden * static_cast<int64_t>(dtype_size(dtype));
   for (int64_t t = 0; t < num_tokens; ++t) {
     const char* g = row_at(grad_out, t, row_bytes);
     for (int64_t c = 0; c < num_choices; ++c) {
@@ -273,7 +266,7 @@ std::string build_chunk_map_cpu(const void* split_sizes, IndexType sizes_type, c
 
 void gather_rows_cpu(const void* input, DType dtype, int64_t num_rows, int64_t hidden, const int32_t* index,
                      const float* probs, void* out, float* out_probs) {
-  const int64_t row_bytes = hidden * static_cast<int64_t>(element_size(dtype));
+  const int64_t row_bytes = hidden * static_cast<int64_t>(dtype_size(dtype));
   for (int64_t i = 0; i < num_rows; ++i) {
     const int32_t src = index[i];
     if (src >= 0) {

@@ -19,12 +19,14 @@
 #include <cstdint>
 #include <string>
 
+#include "common/dtype.h"
+
 namespace te_ep {
 namespace permutation {
 
-enum class DType : int { kFloat32, kFloat16, kBFloat16 };
-
-size_t element_size(DType dtype);
+// Token rows are float32, float16 or bfloat16 (is_floating); the adapter checks.
+using te_ep::DType;
+using te_ep::dtype_size;
 
 enum class IndexType : int { kInt32, kInt64 };
 

@@ -98,6 +98,8 @@ void with_row_type(DType dtype, int64_t hidden, std::initializer_list<const void
     case DType::kBFloat16:
       with_pack_width<__nv_bfloat16>(hidden, buffers, f);
       return;
+    default:  // not a row type: the adapter has refused it
+      return;
   }
 }
 

@@ -21,7 +21,12 @@ struct HandleEntry {
 };
 
 std::mutex g_mutex;
-std::unordered_map<int64_t, std::shared_ptr<HandleEntry>> g_handles;
+// Leaked on purpose, like the nccl_ep registry: handles still alive at exit
+// must not be destroyed during static destruction, when the CUDA runtime may
+// already be unloading (a reference handle's ProcessGroupNCCL destructor then
+// aborts the process with "driver shutting down").
+std::unordered_map<int64_t, std::shared_ptr<HandleEntry>>& g_handles =
+    *new std::unordered_map<int64_t, std::shared_ptr<HandleEntry>>();
 // Configs of destroyed handles: a rank that destroyed its handle while the
 // others did not can still take part in the error agreement of the op the
 // others are running, so nobody waits forever.

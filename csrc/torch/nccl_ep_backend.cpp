@@ -33,6 +33,7 @@
 
 #include "common/nccl_ep_runtime.h"
 #include "common/nccl_ep_wrap.h"
+#include "torch/dtype.h"
 #include "common/routing.h"
 
 namespace te_ep {
@@ -50,21 +51,10 @@ int64_t nccl_ep_send_budget(int64_t max_tokens_per_rank) {
   return (max_tokens_per_rank + kNcclEpExpertMultiple - 1) / kNcclEpExpertMultiple * kNcclEpExpertMultiple;
 }
 
-ne::DType to_dtype(at::ScalarType type) {
-  switch (type) {
-    case at::kBFloat16:
-      return ne::DType::kBFloat16;
-    case at::kHalf:
-      return ne::DType::kFloat16;
-    case at::kFloat:
-      return ne::DType::kFloat32;
-    case at::kInt:
-      return ne::DType::kInt32;
-    case at::kLong:
-      return ne::DType::kInt64;
-    default:
-      TORCH_CHECK(false, "te_ep nccl_ep backend: unsupported dtype ", type);
-  }
+DType to_dtype(at::ScalarType type) {
+  const std::optional<DType> dtype = dtype_of(type);
+  TORCH_CHECK(dtype.has_value(), "te_ep nccl_ep backend: unsupported dtype ", type);
+  return *dtype;
 }
 
 bool is_capturing(cudaStream_t stream) {
@@ -417,7 +407,7 @@ class NcclEpBackend final : public Backend {
     cudaStream_t stream = current_stream();
     const at::Tensor y = expert_out.contiguous();
     // Zeros: a token whose choices were all dropped receives nothing.
-    at::Tensor out = at::zeros({num_tokens, cfg_.hidden}, y.options());
+    at::Tensor out = zeros_on(stream, {num_tokens, cfg_.hidden}, y.options());
     if (zero_copy_) {
       fill_combine_window(y, stream);
       handle_->combine_forward(combine_window_.rows(), dtype_, cfg_.hidden, out.data_ptr(), num_tokens, stream);
@@ -436,9 +426,9 @@ class NcclEpBackend final : public Backend {
     cudaStream_t stream = current_stream();
     const at::Tensor g = grad_recv_tokens.contiguous();
     const at::Tensor gw = grad_recv_weights.contiguous();
-    at::Tensor grad_tokens = at::zeros({num_tokens, cfg_.hidden}, g.options());
+    at::Tensor grad_tokens = zeros_on(stream, {num_tokens, cfg_.hidden}, g.options());
     // Zeros: dropped choices (-1) own no slot and get no gradient.
-    at::Tensor grad_weights = at::zeros({num_tokens, cfg_.top_k}, gw.options());
+    at::Tensor grad_weights = zeros_on(stream, {num_tokens, cfg_.top_k}, gw.options());
     ne::Rows rows = ne::Rows::plain(g.data_ptr());
     if (zero_copy_) {
       fill_combine_window(g, stream);
@@ -524,6 +514,14 @@ class NcclEpBackend final : public Backend {
         << "; NCCL EP dropped the rows that did not fit. Create the handle with a larger capacity (at most "
            "EpGroup.worst_case_capacity).";
     return msg.str();
+  }
+
+  // at::zeros through one cudaMemsetAsync: the combine outputs are tens of MB,
+  // and this keeps their zeroing to one cheap launch on the op's path.
+  static at::Tensor zeros_on(cudaStream_t stream, at::IntArrayRef sizes, const at::TensorOptions& options) {
+    at::Tensor t = at::empty(sizes, options);
+    if (t.numel() > 0) C10_CUDA_CHECK(cudaMemsetAsync(t.data_ptr(), 0, t.nbytes(), stream));
+    return t;
   }
 
   void reset_overflow(cudaStream_t stream) {

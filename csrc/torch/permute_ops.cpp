@@ -14,6 +14,7 @@
 #include <tuple>
 
 #include "common/permute.h"
+#include "torch/dtype.h"
 
 #if TE_EP_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -34,16 +35,10 @@ using OptTensor = std::optional<Tensor>;
 constexpr int64_t kMaxIndex = std::numeric_limits<int32_t>::max();
 
 perm::DType row_dtype(const char* op, const char* name, const Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat:
-      return perm::DType::kFloat32;
-    case at::kHalf:
-      return perm::DType::kFloat16;
-    case at::kBFloat16:
-      return perm::DType::kBFloat16;
-    default:
-      TORCH_CHECK(false, op, ": ", name, " must be bfloat16, float16 or float32, got ", t.scalar_type());
-  }
+  const std::optional<DType> dtype = dtype_of(t.scalar_type());
+  TORCH_CHECK(dtype && is_floating(*dtype), op, ": ", name, " must be bfloat16, float16 or float32, got ",
+              t.scalar_type());
+  return *dtype;
 }
 
 perm::IndexType index_type(const char* op, const char* name, const Tensor& t) {
@@ -447,7 +442,9 @@ std::tuple<Tensor, Tensor> sort_chunks_by_map(const Tensor& input, const Tensor&
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(te_ep, CPU, m) {
+// One kernel table for both devices: each op picks its CPU or CUDA kernel
+// from the tensors' device.
+static void register_permute_ops(torch::Library& m) {
   m.impl("permute", &permute);
   m.impl("permute_bwd", &permute_bwd);
   m.impl("unpermute", &unpermute);
@@ -456,15 +453,10 @@ TORCH_LIBRARY_IMPL(te_ep, CPU, m) {
   m.impl("sort_chunks_by_map", &sort_chunks_by_map);
 }
 
+TORCH_LIBRARY_IMPL(te_ep, CPU, m) { register_permute_ops(m); }
+
 #if TE_EP_WITH_CUDA
-TORCH_LIBRARY_IMPL(te_ep, CUDA, m) {
-  m.impl("permute", &permute);
-  m.impl("permute_bwd", &permute_bwd);
-  m.impl("unpermute", &unpermute);
-  m.impl("unpermute_bwd", &unpermute_bwd);
-  m.impl("sort_chunks_by_index", &sort_chunks_by_index);
-  m.impl("sort_chunks_by_map", &sort_chunks_by_map);
-}
+TORCH_LIBRARY_IMPL(te_ep, CUDA, m) { register_permute_ops(m); }
 #endif
 
 }  // namespace te_ep
