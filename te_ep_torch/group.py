@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import ops
+from . import _agreement, ops
 
 __all__ = ["EpGroup", "EpHandle", "HandleConfig", "BACKENDS", "NCCL_EP_MODES"]
 
@@ -111,34 +111,51 @@ class EpGroup:
         if not dist.is_initialized():
             raise RuntimeError("EpGroup: torch.distributed is not initialized; call init_process_group first")
         pg = process_group if process_group is not None else dist.group.WORLD
-        if backend not in BACKENDS:
-            raise ValueError(f"EpGroup: backend must be one of {BACKENDS}, got {backend!r}")
-        if nccl_ep_mode is None:
-            nccl_ep_mode = os.environ.get("TE_EP_NCCL_EP_MODE", "staged")
-        if nccl_ep_mode not in NCCL_EP_MODES:
-            raise ValueError(f"EpGroup: nccl_ep_mode must be one of {NCCL_EP_MODES}, got {nccl_ep_mode!r}")
         ep_size = dist.get_world_size(pg)
-        if not isinstance(num_experts, int) or num_experts <= 0:
-            raise ValueError(f"EpGroup: num_experts must be a positive int, got {num_experts!r}")
-        if num_experts % ep_size != 0:
-            raise ValueError(
-                f"EpGroup: num_experts ({num_experts}) must be divisible by the EP size ({ep_size})"
-            )
-        if not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank <= 0:
-            raise ValueError(f"EpGroup: max_tokens_per_rank must be a positive int, got {max_tokens_per_rank!r}")
-        dev = torch.device(device) if device is not None else _default_device(pg)
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        if dev.type not in ("cpu", "cuda"):
-            raise ValueError(f"EpGroup: device must be cpu or cuda, got {dev}")
-        if backend == "auto":
-            backend = _auto_backend(dev, num_experts)
-        elif backend == "nccl_ep" and dev.type != "cuda":
-            raise ValueError(f"EpGroup: backend 'nccl_ep' needs a CUDA device, got {dev}")
-        if backend == "nccl_ep":
-            from . import _nccl_ep
 
-            _nccl_ep.load()
+        def validated() -> Tuple[str, str, torch.device]:
+            mode = nccl_ep_mode if nccl_ep_mode is not None else os.environ.get("TE_EP_NCCL_EP_MODE", "staged")
+            if backend not in BACKENDS:
+                raise ValueError(f"EpGroup: backend must be one of {BACKENDS}, got {backend!r}")
+            if mode not in NCCL_EP_MODES:
+                raise ValueError(f"EpGroup: nccl_ep_mode must be one of {NCCL_EP_MODES}, got {mode!r}")
+            if not isinstance(num_experts, int) or num_experts <= 0:
+                raise ValueError(f"EpGroup: num_experts must be a positive int, got {num_experts!r}")
+            if num_experts % ep_size != 0:
+                raise ValueError(
+                    f"EpGroup: num_experts ({num_experts}) must be divisible by the EP size ({ep_size})"
+                )
+            if not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank <= 0:
+                raise ValueError(
+                    f"EpGroup: max_tokens_per_rank must be a positive int, got {max_tokens_per_rank!r}"
+                )
+            dev = torch.device(device) if device is not None else _default_device(pg)
+            if dev.type == "cuda" and dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+            if dev.type not in ("cpu", "cuda"):
+                raise ValueError(f"EpGroup: device must be cpu or cuda, got {dev}")
+            chosen = backend
+            if chosen == "auto":
+                chosen = _auto_backend(dev, num_experts)
+            elif chosen == "nccl_ep" and dev.type != "cuda":
+                raise ValueError(f"EpGroup: backend 'nccl_ep' needs a CUDA device, got {dev}")
+            if chosen == "nccl_ep":
+                from . import _nccl_ep
+
+                _nccl_ep.load()
+            return chosen, mode, dev
+
+        # Collective: every rank validates, then all agree (docs/ops.md, "Configuration
+        # agreement"), so an error on one rank or a mismatch raises on every rank.
+        result, error = _agreement.local_error(validated)
+        backend, nccl_ep_mode, dev = result if result is not None else (backend, nccl_ep_mode, None)
+        _agreement.agree(pg, "EpGroup", {
+            "num_experts": num_experts,
+            "max_tokens_per_rank": max_tokens_per_rank,
+            "backend": backend,
+            "nccl_ep_mode": nccl_ep_mode,
+            "device type": dev.type if dev is not None else None,
+        }, error)
 
         self.process_group = pg
         self.group_name: str = pg.group_name
@@ -222,18 +239,29 @@ class EpGroup:
                 :meth:`worst_case_capacity`. A step that needs more raises on every rank.
         """
         self._check_open()
-        if not isinstance(top_k, int) or not 0 < top_k <= self.num_experts:
-            raise ValueError(f"create_handle: top_k must be an int in [1, {self.num_experts}], got {top_k!r}")
-        if not isinstance(hidden, int) or hidden <= 0:
-            raise ValueError(f"create_handle: hidden must be a positive int, got {hidden!r}")
-        if dtype not in _DTYPES:
-            raise ValueError(f"create_handle: dtype must be one of {_DTYPES}, got {dtype}")
-        if not isinstance(alignment, int) or not _is_power_of_two(alignment):
-            raise ValueError(f"create_handle: alignment must be a power of two, got {alignment!r}")
-        if capacity is None:
-            capacity = self.worst_case_capacity(top_k, alignment)
-        elif not isinstance(capacity, int) or capacity <= 0:
-            raise ValueError(f"create_handle: capacity must be a positive int, got {capacity!r}")
+
+        def validated() -> int:
+            if not isinstance(top_k, int) or not 0 < top_k <= self.num_experts:
+                raise ValueError(f"create_handle: top_k must be an int in [1, {self.num_experts}], got {top_k!r}")
+            if not isinstance(hidden, int) or hidden <= 0:
+                raise ValueError(f"create_handle: hidden must be a positive int, got {hidden!r}")
+            if dtype not in _DTYPES:
+                raise ValueError(f"create_handle: dtype must be one of {_DTYPES}, got {dtype}")
+            if not isinstance(alignment, int) or not _is_power_of_two(alignment):
+                raise ValueError(f"create_handle: alignment must be a power of two, got {alignment!r}")
+            if capacity is None:
+                return self.worst_case_capacity(top_k, alignment)
+            if not isinstance(capacity, int) or capacity <= 0:
+                raise ValueError(f"create_handle: capacity must be a positive int, got {capacity!r}")
+            return capacity
+
+        # Collective: every rank validates, then all agree on the handle's configuration.
+        fitted, error = _agreement.local_error(validated)
+        _agreement.agree(self.process_group, "create_handle", {
+            "top_k": top_k, "hidden": hidden, "dtype": dtype, "alignment": alignment,
+            "capacity": fitted if fitted is not None else capacity,
+        }, error)
+        capacity = fitted
         cfg = HandleConfig(top_k=top_k, hidden=hidden, dtype=dtype, alignment=alignment, capacity=capacity)
         handle = EpHandle(self, cfg)
         self._handles[handle.id] = handle

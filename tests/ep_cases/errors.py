@@ -370,6 +370,51 @@ def case_config_errors(ctx) -> None:
     group.shutdown()
 
 
+def case_config_mismatch(ctx) -> None:
+    """Ranks that pass different configurations, or an invalid one on one rank only, to
+    EpGroup or create_handle: every rank raises (no rank is left waiting in a collective),
+    the message names the field and the values each rank passed; a good group and step
+    afterwards work."""
+    W, r, dev = ctx.world_size, ctx.rank, ctx.device
+    last = r == W - 1
+    dt = ERROR_STEP.torch_dtype()
+
+    def group(**kw):
+        args = dict(num_experts=ERROR_STEP.experts_per_rank * W, max_tokens_per_rank=8, backend=ctx.backend,
+                    device=dev)
+        args.update(kw)
+        return te.EpGroup(None, **args)
+
+    # EpGroup: a value that differs on the last rank (valid on every rank by itself).
+    ne = ERROR_STEP.experts_per_rank * W
+    expect_raises(lambda: group(num_experts=2 * ne if last else ne), "disagree on num_experts",
+                  f"rank 0: {ne}", f"rank {W - 1}: {2 * ne}", exc=ValueError)
+    expect_raises(lambda: group(max_tokens_per_rank=16 if last else 8), "max_tokens_per_rank",
+                  f"rank {W - 1}: 16", exc=ValueError)
+    # EpGroup: an invalid value on rank 0 only raises on every rank, naming rank 0.
+    expect_raises(lambda: group(max_tokens_per_rank=0 if r == 0 else 8), "rank 0", "max_tokens_per_rank",
+                  exc=ValueError)
+
+    g = make_group(ctx, ERROR_STEP)
+    base = dict(top_k=ERROR_STEP.top_k, hidden=ERROR_STEP.hidden, dtype=dt, alignment=1, capacity=64)
+    for name, other in (("hidden", 2 * ERROR_STEP.hidden), ("top_k", 1), ("dtype", torch.float32),
+                        ("alignment", 8), ("capacity", 128)):
+        kw = dict(base)
+        if last:
+            kw[name] = other
+        expect_raises(lambda: g.create_handle(**kw), f"disagree on {name}", f"rank {W - 1}: {other}",
+                      exc=ValueError)
+    # create_handle: an invalid argument on rank 0 only.
+    kw = dict(base)
+    if r == 0:
+        kw["alignment"] = 3
+    expect_raises(lambda: g.create_handle(**kw), "rank 0", "alignment", exc=ValueError)
+    # Nothing was left half-made: a good handle and step work.
+    h = g.create_handle(top_k=ERROR_STEP.top_k, hidden=ERROR_STEP.hidden, dtype=dt)
+    run_exact_step(ctx, g, h, ERROR_STEP, ctx.rank, W, tag="after config mismatches: ")
+    g.shutdown()
+
+
 def _check_nccl_ep_size_rules(ctx) -> None:
     """nccl_ep's size rules (docs/ops.md, last table) are RuntimeErrors of create_handle,
     raised on every rank alike before any communication."""
