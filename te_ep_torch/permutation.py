@@ -25,6 +25,7 @@ from torch import Tensor
 # Registrations of the permutation ops: fake kernels (ops, which also loads the op
 # library), autograd formulas and DTensor rules.
 from . import _dtensor_rules, autograd, ops  # noqa: F401
+from ._loader import load_library  # noqa: F401  (importable from here before the split)
 
 __all__ = [
     "PermuteMap",
