@@ -4,7 +4,7 @@
     torchrun --standalone --nproc-per-node=gpu benchmarks/bench_moe_layer.py      # every GPU of the node
     torchrun --standalone --nproc-per-node=2 benchmarks/bench_moe_layer.py --device cpu   # gloo, tiny: tests the script
 
-One MoE layer (benchmarks/moe_blocks.py: float32 softmax top-k router, SwiGLU
+One MoE layer (te_ep_torch/testing/moe_blocks.py: float32 softmax top-k router, SwiGLU
 experts with stacked weights, EP over all ranks) runs as
 
 * ``native``  NativeMoEBlock: all_to_all_single of counts, ``.tolist()`` splits,
@@ -14,8 +14,9 @@ experts with stacked weights, EP over all ranks) runs as
   grouped GEMM on the expert-major buffer, weights, ep_combine; once per
   --backend (``auto`` is nccl_ep on Hopper GPUs where NCCL EP loads).
 
-Both use the same experts kernel (--gemm: ``torch._grouped_mm`` on SM 90/100
-bf16, else a loop over experts), the same parameters (copied from the native
+Both use the same experts kernel (--gemm: ``torch._grouped_mm`` where
+te_ep_torch.moe.grouped_mm_supported says so, i.e. bf16 on SM 90+ with H and F
+multiples of 8, else a loop over experts), the same parameters (copied from the native
 block) and the same input. Default shape: 8192 tokens per rank, hidden 4096,
 64 experts, top-8, expert FFN size 1536 (SwiGLU: gate and up H x 1536, down
 1536 x H), bfloat16.
@@ -66,17 +67,23 @@ from pathlib import Path  # noqa: E402
 from typing import Callable, Dict, List, Optional  # noqa: E402
 
 # A checkout built in place (setup.py build_ext --inplace) is used before an
-# installed te_ep_torch; moe_blocks.py sits next to this file.
+# installed te_ep_torch.
 _REPO = Path(__file__).resolve().parent.parent
 if (_REPO / "te_ep_torch" / "_C.so").exists():
     sys.path.insert(0, str(_REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import te_ep_torch as te  # noqa: E402
-from moe_blocks import GEMMS, MoEConfig, NativeMoEBlock, TeEpMoEBlock, copy_parameters, fwd_bwd  # noqa: E402
+from te_ep_torch.testing.moe_blocks import (  # noqa: E402
+    GEMMS,
+    MoEConfig,
+    NativeMoEBlock,
+    TeEpMoEBlock,
+    copy_parameters,
+    fwd_bwd,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Relative L2 error allowed between the two blocks (outputs and every gradient).
@@ -108,7 +115,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--alignment", type=int, default=16,
                         help="rows per expert zone are padded to a multiple of this, in both blocks")
     parser.add_argument("--gemm", choices=GEMMS, default="auto",
-                        help="experts kernel of both blocks: auto = grouped_mm on SM 90/100 bf16, else loop")
+                        help="experts kernel of both blocks: auto = grouped_mm where "
+                             "te_ep_torch.moe.grouped_mm_supported (bf16, SM 90+), else loop")
     parser.add_argument("--capacity-headroom", type=float, default=1.1,
                         help="te_ep capacity = this x the padded rows this run's routing needs on the busiest rank")
     parser.add_argument("--worst-case-capacity", action="store_true",

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["MIN_NCCL_VERSION", "availability", "is_available", "load", "release_group"]
+__all__ = ["MIN_NCCL_VERSION", "availability", "expert_multiple", "is_available", "load", "release_group"]
 
 #: Oldest NCCL runtime that the libnccl_ep of nccl-extensions 0.1.0 accepts.
 MIN_NCCL_VERSION = (2, 30, 7)
@@ -94,6 +94,15 @@ def _ops():
 
     load_library()
     return torch.ops.te_ep
+
+
+def expert_multiple() -> int:
+    """What ``num_experts`` must be a multiple of on the nccl_ep backend (csrc/torch/backend.h).
+
+    NCCL EP moves per-expert routing weights in 16-byte units. Answered by the op
+    library alone, also in builds without NCCL EP.
+    """
+    return int(_ops()._nccl_ep_expert_multiple())
 
 
 def availability() -> str:

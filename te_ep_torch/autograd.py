@@ -1,8 +1,16 @@
-"""Differentiable dispatch and combine over the ``te_ep`` ops.
+"""Autograd of the ``te_ep`` ops: differentiable dispatch and combine, and the permutation ops' formulas.
 
-The backward of dispatch is a combine of the gradient (plus the gradient of
-``topk_weights``), the backward of combine is a dispatch of the gradient;
-both call registered ops only, so they trace under ``torch.compile``.
+Communication ops: :func:`ep_dispatch` / :func:`ep_combine` are autograd
+Functions over the ops, because they carry the :class:`EpHandle`. The backward
+of dispatch is a combine of the gradient (plus the gradient of
+``topk_weights``), the backward of combine is a dispatch of the gradient.
+
+Permutation ops: formulas registered on the ops themselves
+(``torch.library.register_autograd``), so the ``torch.ops.te_ep`` ops and the
+``te_ep_torch.permutation`` API are differentiable alike.
+
+Both call registered ops only, so they trace under ``torch.compile``. The fake
+kernels are in ``ops.py``.
 """
 
 from __future__ import annotations
@@ -16,6 +24,9 @@ from . import ops
 from .group import EpHandle
 
 __all__ = ["DispatchOutput", "ep_dispatch", "ep_combine"]
+
+
+# ---- communication ops: ep_dispatch / ep_combine -----------------------------------
 
 
 class DispatchOutput(NamedTuple):
@@ -128,3 +139,106 @@ def ep_combine(handle: EpHandle, expert_out: Tensor, num_tokens: int) -> Tensor:
     ``num_tokens`` is the ``T`` of the matching :func:`ep_dispatch`.
     """
     return _Combine.apply(expert_out, handle, num_tokens)
+
+
+# ---- permutation ops: registered autograd formulas ---------------------------------
+# Backward formulas call only te_ep ops (plus .contiguous() on incoming gradients,
+# which autograd may hand over expanded or strided). Gradients are not
+# materialized: an unused output's gradient arrives as None and is skipped rather
+# than replaced by zeros (which autograd would create as plain tensors even for
+# DTensor outputs). First-order only.
+
+
+def _permute_setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)
+    ctx.has_probs = inputs[2] is not None
+    ctx.save_for_backward(output[2])
+
+
+def _permute_backward(ctx, grad_output, grad_permuted_probs, *_):
+    (row_id_map,) = ctx.saved_tensors
+    grad_pp = grad_permuted_probs.contiguous() if ctx.has_probs and grad_permuted_probs is not None else None
+    if grad_output is None and grad_pp is None:
+        return None, None, None, None, None, None
+    grad_tokens, grad_probs = torch.ops.te_ep.permute_bwd(
+        row_id_map, None if grad_output is None else grad_output.contiguous(), grad_pp
+    )
+    return (
+        None if grad_output is None else grad_tokens,
+        None,
+        None if grad_pp is None else grad_probs,
+        None,
+        None,
+        None,
+    )
+
+
+torch.library.register_autograd("te_ep::permute", _permute_backward, setup_context=_permute_setup)
+
+
+def _unpermute_setup(ctx, inputs, output):
+    input, row_id_map, src_slot, merging_probs = inputs
+    ctx.probs_grad = merging_probs is not None and ctx.needs_input_grad[3]
+    ctx.save_for_backward(row_id_map, src_slot, merging_probs, input if ctx.probs_grad else None)
+
+
+def _unpermute_backward(ctx, grad_output):
+    row_id_map, src_slot, merging_probs, input = ctx.saved_tensors
+    grad_input, grad_probs = torch.ops.te_ep.unpermute_bwd(
+        grad_output.contiguous(), row_id_map, src_slot, merging_probs, input
+    )
+    return grad_input, None, None, (grad_probs if ctx.probs_grad else None)
+
+
+torch.library.register_autograd("te_ep::unpermute", _unpermute_backward, setup_context=_unpermute_setup)
+
+
+def _sort_chunks_grads(row_map, grad_output, grad_permuted_probs, inverse):
+    """Gradients of a chunk reordering: the reordering in the other direction."""
+    if grad_output is not None:
+        grad_pp = None if grad_permuted_probs is None else grad_permuted_probs.contiguous()
+        return torch.ops.te_ep.sort_chunks_by_map(grad_output.contiguous(), row_map, grad_pp, inverse)
+    if grad_permuted_probs is None:
+        return None, None
+    # Only the probabilities were used: move them as one-column float32 rows.
+    rows, _ = torch.ops.te_ep.sort_chunks_by_map(grad_permuted_probs.unsqueeze(1).contiguous(), row_map, None, inverse)
+    return None, rows.squeeze(1)
+
+
+def _sort_chunks_by_index_setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)
+    ctx.has_probs = inputs[3] is not None
+    ctx.save_for_backward(output[2])
+
+
+def _sort_chunks_by_index_backward(ctx, grad_output, grad_permuted_probs, _):
+    (row_map,) = ctx.saved_tensors
+    grad_input, grad_probs = _sort_chunks_grads(
+        row_map, grad_output, grad_permuted_probs if ctx.has_probs else None, inverse=True
+    )
+    return grad_input, None, None, (grad_probs if ctx.has_probs else None)
+
+
+torch.library.register_autograd(
+    "te_ep::sort_chunks_by_index", _sort_chunks_by_index_backward, setup_context=_sort_chunks_by_index_setup
+)
+
+
+def _sort_chunks_by_map_setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)
+    ctx.has_probs = inputs[2] is not None
+    ctx.inverse = inputs[3]
+    ctx.save_for_backward(inputs[1])
+
+
+def _sort_chunks_by_map_backward(ctx, grad_output, grad_permuted_probs):
+    (row_map,) = ctx.saved_tensors
+    grad_input, grad_probs = _sort_chunks_grads(
+        row_map, grad_output, grad_permuted_probs if ctx.has_probs else None, inverse=not ctx.inverse
+    )
+    return grad_input, None, (grad_probs if ctx.has_probs else None), None
+
+
+torch.library.register_autograd(
+    "te_ep::sort_chunks_by_map", _sort_chunks_by_map_backward, setup_context=_sort_chunks_by_map_setup
+)

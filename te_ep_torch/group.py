@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _agreement, ops
+from . import _agreement, _nccl_ep, ops
 
 __all__ = ["EpGroup", "EpHandle", "HandleConfig", "BACKENDS", "NCCL_EP_MODES"]
 
@@ -26,15 +26,13 @@ _modes_logged: set = set()
 
 # NCCL EP moves per-expert routing weights in 16-byte units; create_handle refuses other
 # expert counts (the constant lives in csrc/torch/backend.h).
-NCCL_EP_EXPERT_MULTIPLE = int(torch.ops.te_ep._nccl_ep_expert_multiple())
+NCCL_EP_EXPERT_MULTIPLE = _nccl_ep.expert_multiple()
 
 
 def _auto_backend(device: torch.device, num_experts: int) -> str:
     """``nccl_ep`` where it loads and fits the group, else ``reference`` (saying why)."""
     if device.type != "cuda":
         return "reference"
-    from . import _nccl_ep
-
     if num_experts % NCCL_EP_EXPERT_MULTIPLE != 0:
         reason = f"it needs num_experts to be a multiple of {NCCL_EP_EXPERT_MULTIPLE}, got {num_experts}"
     else:
@@ -140,8 +138,6 @@ class EpGroup:
             elif chosen == "nccl_ep" and dev.type != "cuda":
                 raise ValueError(f"EpGroup: backend 'nccl_ep' needs a CUDA device, got {dev}")
             if chosen == "nccl_ep":
-                from . import _nccl_ep
-
                 _nccl_ep.load()
             return chosen, mode, dev
 
@@ -238,7 +234,7 @@ class EpGroup:
             capacity: rows of the receive buffer; ``None`` means
                 :meth:`worst_case_capacity`. A step that needs more raises on every rank.
         """
-        self._check_open()
+        self.check_open()
 
         def validated() -> int:
             if not isinstance(top_k, int) or not 0 < top_k <= self.num_experts:
@@ -278,12 +274,11 @@ class EpGroup:
         for handle in list(self._handles.values()):
             handle.destroy()
         if self.backend == "nccl_ep":
-            from . import _nccl_ep
-
             _nccl_ep.release_group(self.group_name)
         self._closed = True
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Raises ``RuntimeError`` if :meth:`shutdown` ran (what the group's handles check too)."""
         if self._closed:
             raise RuntimeError("EpGroup: the group was shut down; create a new EpGroup")
 
@@ -356,7 +351,7 @@ class EpHandle:
         of returned tensors"). ``None`` in the staged and reference modes, where combine
         reads any tensor directly.
         """
-        self.group._check_open()
+        self.group.check_open()
         return ops.combine_buffer(self.id)
 
     def prepare(self, topk_idx: Tensor) -> Tuple[Tensor, Tensor]:

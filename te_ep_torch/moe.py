@@ -14,6 +14,7 @@ Output shapes never depend on routing values: the layer traces under
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
@@ -235,6 +236,25 @@ class TopKRouter(nn.Module):
         return load
 
 
+# The keyword arguments MoE passes on to its TopKRouter: the router's keyword-only
+# options, read from its signature so that they are declared once (there). dtype and
+# device are not among them: the layer sets those itself.
+_ROUTER_OPTIONS: Tuple[str, ...] = tuple(
+    name
+    for name, param in inspect.signature(TopKRouter.__init__).parameters.items()
+    if param.kind is inspect.Parameter.KEYWORD_ONLY and name not in ("dtype", "device")
+)
+
+
+def _check_router_options(options: Dict[str, object]) -> None:
+    unknown = [name for name in options if name not in _ROUTER_OPTIONS]
+    if unknown:
+        raise TypeError(
+            f"MoE.__init__() got an unexpected keyword argument {unknown[0]!r}; besides its own arguments, "
+            f"MoE takes the TopKRouter options {', '.join(_ROUTER_OPTIONS)}"
+        )
+
+
 class SwiGLU(nn.Module):
     """``down(silu(x @ gate) * (x @ up))``: the dense (shared) expert."""
 
@@ -356,8 +376,6 @@ class MoE(nn.Module):
         ffn_hidden: inner width of each expert.
         num_experts: ``E`` (global).
         top_k: experts per token.
-        score_func, normalize_weights, route_scale, expert_bias, bias_update_rate,
-            aux_loss_coef: see :class:`TopKRouter`.
         shared_expert_ffn_hidden: inner width of a dense SwiGLU expert every token
             also goes through (its output is added unweighted); 0 = none.
         expert_impl: see :class:`GroupedExperts`.
@@ -366,6 +384,10 @@ class MoE(nn.Module):
             and 1 elsewhere.
         dtype, device: of the expert and shared-expert weights; the router weight is
             float32.
+        **router_options: the router's options, passed to :class:`TopKRouter`: any of
+            its keyword-only arguments but ``dtype`` and ``device`` (``score_func``,
+            ``normalize_weights``, ``aux_loss_coef``, ...). A keyword that neither
+            ``MoE`` nor ``TopKRouter`` takes raises ``TypeError`` naming it.
 
     ``forward(x [..., H]) -> [..., H]`` in ``x``'s dtype; the last aux loss is kept in
     :attr:`aux_loss` (``None`` without one) and also returned by
@@ -379,37 +401,23 @@ class MoE(nn.Module):
         num_experts: int,
         top_k: int,
         *,
-        score_func: str = "softmax",
-        normalize_weights: Optional[bool] = None,
-        route_scale: float = 1.0,
-        expert_bias: bool = False,
-        bias_update_rate: float = 1e-3,
-        aux_loss_coef: float = 0.0,
         shared_expert_ffn_hidden: int = 0,
         expert_impl: str = "auto",
         alignment: Optional[int] = None,
         dtype: torch.dtype = torch.float32,
         device=None,
+        **router_options,
     ) -> None:
         super().__init__()
+        _check_router_options(router_options)
         if alignment is not None and (alignment <= 0 or alignment & (alignment - 1)):
             raise ValueError(f"MoE: alignment must be a power of two, got {alignment}")
         self.hidden = hidden
         self.num_experts = num_experts
         self.top_k = top_k
         self.alignment = alignment
-        self.router = TopKRouter(
-            hidden,
-            num_experts,
-            top_k,
-            score_func=score_func,
-            normalize_weights=normalize_weights,
-            route_scale=route_scale,
-            expert_bias=expert_bias,
-            bias_update_rate=bias_update_rate,
-            aux_loss_coef=aux_loss_coef,
-            device=device,
-        )
+        # The router weight stays float32 whatever `dtype` the experts use.
+        self.router = TopKRouter(hidden, num_experts, top_k, device=device, **router_options)
         self.experts = GroupedExperts(num_experts, hidden, ffn_hidden, impl=expert_impl, dtype=dtype, device=device)
         self.shared_expert = (
             SwiGLU(hidden, shared_expert_ffn_hidden, dtype=dtype, device=device) if shared_expert_ffn_hidden else None

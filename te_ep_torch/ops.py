@@ -1,8 +1,12 @@
-"""Typed wrappers and fake kernels of the ``te_ep`` communication ops.
+"""Typed wrappers of the ``te_ep`` communication ops, and the fake kernels of every ``te_ep`` op.
 
 The ops themselves are declared in ``csrc/torch/library.cpp``; their contract
-is ``docs/ops.md``. Fake kernels compute output shapes from the int
-arguments alone, so ``torch.compile`` never needs the process group.
+is ``docs/ops.md`` (communication) and ``docs/permutation.md`` (permutation).
+Fake kernels compute output shapes from input shapes and int arguments alone,
+so ``torch.compile`` never needs the process group or routing values. This
+module is the one home of the fakes; the autograd formulas of both op
+families are in ``autograd.py``, the DTensor rules of the permutation ops in
+``_dtensor_rules.py`` (docs/ops.md, "Per-op map").
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ __all__ = [
     "dispatch_bwd",
     "combine_bwd",
 ]
+
+
+# ---- typed wrappers: communication ops ---------------------------------------------
 
 
 def create_handle(
@@ -118,6 +125,9 @@ def combine_bwd(grad_out: Tensor, handle_mem: Tensor, group_name: str, handle_id
     return torch.ops.te_ep.combine_bwd(grad_out, handle_mem, group_name, handle_id, capacity)
 
 
+# ---- fake kernels: communication ops ----------------------------------------------
+
+
 def _misrouted(handle_mem: Tensor) -> bool:
     """True when real tensors reached a fake kernel.
 
@@ -184,3 +194,145 @@ def _combine_bwd_fake(grad_out, handle_mem, group_name, handle_id, capacity):
         return _real_kernel(torch.ops.te_ep.combine_bwd, handle_mem, grad_out, handle_mem, group_name, handle_id,
                             capacity)
     return grad_out.new_empty((capacity, grad_out.shape[1]))
+
+
+# ---- fake kernels: permutation ops -----------------------------------------------
+# The Python API (argument defaults, PermuteMap) is te_ep_torch/permutation.py.
+
+_ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _check(cond, message: str) -> None:
+    torch._check(cond, lambda: message)
+
+
+def _check_rows(op: str, name: str, t: Tensor) -> None:
+    _check(t.dim() == 2, f"{op}: {name} must be 2-D, got {t.dim()}-D (shape {tuple(t.shape)})")
+    _check(t.dtype in _ROW_DTYPES, f"{op}: {name} must be bfloat16, float16 or float32, got {t.dtype}")
+
+
+def _check_int32_map(op: str, name: str, t: Tensor, dim: int) -> None:
+    _check(t.dim() == dim, f"{op}: {name} must be {dim}-D, got {t.dim()}-D")
+    _check(t.dtype == torch.int32, f"{op}: {name} must be int32, got {t.dtype}")
+
+
+def _check_probs(op: str, name: str, p: Tensor, shape) -> None:
+    _check(p.dtype == torch.float32, f"{op}: {name} must be float32, got {p.dtype}")
+    _check(p.dim() == len(shape), f"{op}: {name} must have shape {tuple(shape)}, got {tuple(p.shape)}")
+    for have, want in zip(p.shape, shape):
+        _check(have == want, f"{op}: {name} must have shape {tuple(shape)}, got {tuple(p.shape)}")
+
+
+def _probs_like(t: Tensor, n) -> Tensor:
+    return t.new_empty((n,), dtype=torch.float32)
+
+
+@torch.library.register_fake("te_ep::permute")
+def _permute_fake(tokens, routing, probs, num_experts, capacity, alignment):
+    op = "te_ep.permute"
+    _check_rows(op, "tokens", tokens)
+    _check(routing.dim() == 2, f"{op}: routing must be 2-D, got {routing.dim()}-D")
+    _check(
+        routing.dtype in (torch.bool, *_INDEX_DTYPES),
+        f"{op}: routing must be int32 or int64 expert ids [T, K] or a bool routing map [T, E], got {routing.dtype}",
+    )
+    _check(routing.shape[0] == tokens.shape[0], f"{op}: routing.size(0) must equal tokens.size(0)")
+    if routing.dtype == torch.bool:
+        _check(routing.shape[1] == num_experts, f"{op}: routing.size(1) must equal num_experts for a routing map")
+    _check(num_experts >= 1, f"{op}: num_experts must be >= 1, got {num_experts}")
+    _check(capacity >= 0, f"{op}: capacity must be >= 0, got {capacity}")
+    _check(alignment >= 1 and alignment & (alignment - 1) == 0, f"{op}: alignment must be a power of two >= 1")
+    if probs is not None:
+        _check_probs(op, "probs", probs, routing.shape)
+    num_tokens, num_choices = routing.shape
+    return (
+        tokens.new_empty((capacity, tokens.shape[1])),
+        _probs_like(tokens, capacity if probs is not None else 0),
+        tokens.new_empty((num_tokens, num_choices), dtype=torch.int32),
+        tokens.new_empty((capacity,), dtype=torch.int32),
+        tokens.new_empty((num_experts,), dtype=torch.int32),
+        tokens.new_empty((1,), dtype=torch.int64),
+    )
+
+
+@torch.library.register_fake("te_ep::permute_bwd")
+def _permute_bwd_fake(row_id_map, grad_output, grad_permuted_probs):
+    op = "te_ep.permute_bwd"
+    _check_int32_map(op, "row_id_map", row_id_map, 2)
+    _check(grad_output is not None or grad_permuted_probs is not None, f"{op}: needs grad_output or grad_permuted_probs")
+    num_tokens, num_choices = row_id_map.shape
+    if grad_output is not None:
+        _check_rows(op, "grad_output", grad_output)
+        grad_tokens = grad_output.new_empty((num_tokens, grad_output.shape[1]))
+    else:
+        grad_tokens = _probs_like(row_id_map, 0)
+    if grad_permuted_probs is not None:
+        capacity = grad_output.shape[0] if grad_output is not None else grad_permuted_probs.shape[0]
+        _check_probs(op, "grad_permuted_probs", grad_permuted_probs, (capacity,))
+        grad_probs = row_id_map.new_empty((num_tokens, num_choices), dtype=torch.float32)
+    else:
+        grad_probs = _probs_like(row_id_map, 0)
+    return grad_tokens, grad_probs
+
+
+@torch.library.register_fake("te_ep::unpermute")
+def _unpermute_fake(input, row_id_map, src_slot, merging_probs):
+    op = "te_ep.unpermute"
+    _check_rows(op, "input", input)
+    _check_int32_map(op, "row_id_map", row_id_map, 2)
+    _check_int32_map(op, "src_slot", src_slot, 1)
+    _check(src_slot.shape[0] == input.shape[0], f"{op}: src_slot.size(0) must equal input.size(0)")
+    if merging_probs is not None:
+        _check_probs(op, "merging_probs", merging_probs, row_id_map.shape)
+    return input.new_empty((row_id_map.shape[0], input.shape[1]))
+
+
+@torch.library.register_fake("te_ep::unpermute_bwd")
+def _unpermute_bwd_fake(grad_output, row_id_map, src_slot, merging_probs, input):
+    op = "te_ep.unpermute_bwd"
+    _check_rows(op, "grad_output", grad_output)
+    _check_int32_map(op, "row_id_map", row_id_map, 2)
+    _check_int32_map(op, "src_slot", src_slot, 1)
+    _check(row_id_map.shape[0] == grad_output.shape[0], f"{op}: row_id_map.size(0) must equal grad_output.size(0)")
+    if merging_probs is not None:
+        _check_probs(op, "merging_probs", merging_probs, row_id_map.shape)
+    capacity = src_slot.shape[0]
+    if input is not None:
+        _check(merging_probs is not None, f"{op}: input is only needed for the gradient of merging_probs")
+        _check(input.dtype == grad_output.dtype, f"{op}: input must have the dtype of grad_output")
+        _check(input.shape[0] == capacity, f"{op}: input.size(0) must equal src_slot.size(0)")
+        grad_probs = grad_output.new_empty(row_id_map.shape, dtype=torch.float32)
+    else:
+        grad_probs = _probs_like(grad_output, 0)
+    return grad_output.new_empty((capacity, grad_output.shape[1])), grad_probs
+
+
+@torch.library.register_fake("te_ep::sort_chunks_by_index")
+def _sort_chunks_by_index_fake(input, split_sizes, sorted_index, probs):
+    op = "te_ep.sort_chunks_by_index"
+    _check_rows(op, "input", input)
+    for name, t in (("split_sizes", split_sizes), ("sorted_index", sorted_index)):
+        _check(t.dim() == 1, f"{op}: {name} must be 1-D, got {t.dim()}-D")
+        _check(t.dtype in _INDEX_DTYPES, f"{op}: {name} must be int32 or int64, got {t.dtype}")
+    _check(sorted_index.shape[0] == split_sizes.shape[0], f"{op}: sorted_index.size(0) must equal split_sizes.size(0)")
+    num_rows = input.shape[0]
+    if probs is not None:
+        _check_probs(op, "probs", probs, (num_rows,))
+    return (
+        torch.empty_like(input),
+        _probs_like(input, num_rows if probs is not None else 0),
+        input.new_empty((2, num_rows), dtype=torch.int32),
+    )
+
+
+@torch.library.register_fake("te_ep::sort_chunks_by_map")
+def _sort_chunks_by_map_fake(input, row_map, probs, inverse):
+    op = "te_ep.sort_chunks_by_map"
+    _check_rows(op, "input", input)
+    _check_int32_map(op, "row_map", row_map, 2)
+    _check(row_map.shape[0] == 2 and row_map.shape[1] == input.shape[0], f"{op}: row_map must be [2, input.size(0)]")
+    num_rows = input.shape[0]
+    if probs is not None:
+        _check_probs(op, "probs", probs, (num_rows,))
+    return torch.empty_like(input), _probs_like(input, num_rows if probs is not None else 0)

@@ -260,6 +260,28 @@ def test_experts_auto_is_loop_on_cpu():
     assert MoE(16, 16, 2, 1).zone_alignment(torch.device("cpu"), torch.float32) == 1
 
 
+def test_moe_passes_router_options_to_the_router():
+    options = dict(score_func="sigmoid", normalize_weights=False, route_scale=2.5, expert_bias=True,
+                   bias_update_rate=0.01, aux_loss_coef=0.1)
+    moe = MoE(16, 24, 8, 2, dtype=torch.bfloat16, **options)
+    router = moe.router
+    assert (router.score_func, router.normalize_weights, router.route_scale, router.bias_update_rate,
+            router.aux_loss_coef) == ("sigmoid", False, 2.5, 0.01, 0.1)
+    assert router.expert_bias is not None
+    # dtype is the experts'; the router weight stays float32.
+    assert router.weight.dtype == torch.float32 and moe.experts.w_gate.dtype == torch.bfloat16
+    defaults = MoE(16, 24, 8, 2).router
+    assert (defaults.score_func, defaults.normalize_weights, defaults.route_scale, defaults.expert_bias,
+            defaults.bias_update_rate, defaults.aux_loss_coef) == ("softmax", False, 1.0, None, 1e-3, 0.0)
+
+
+def test_moe_rejects_an_unknown_keyword():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'score_fn'"):
+        MoE(16, 24, 8, 2, score_fn="softmax")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'process_group'"):
+        MoE(16, 24, 8, 2, process_group=None)
+
+
 # ---- EP size 1 (local permutation) ---------------------------------------------------------
 
 LAYER_CONFIGS = {

@@ -1,4 +1,4 @@
-"""benchmarks/moe_blocks.py and benchmarks/bench_moe_layer.py on CPU (gloo, reference backend).
+"""te_ep_torch/testing/moe_blocks.py and benchmarks/bench_moe_layer.py on CPU (gloo, reference backend).
 
 NativeMoEBlock and TeEpMoEBlock must compute the same layer: the same output
 and the same gradients (input, router, expert weights) for the same parameters
@@ -32,10 +32,15 @@ REPO = Path(__file__).resolve().parent.parent
 # Use this checkout's build when it is built in place.
 if (REPO / "te_ep_torch" / "_C.so").exists():
     sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
 import te_ep_torch as te  # noqa: E402
-from moe_blocks import MoEConfig, NativeMoEBlock, TeEpMoEBlock, copy_parameters, fwd_bwd  # noqa: E402
+from te_ep_torch.testing.moe_blocks import (  # noqa: E402
+    MoEConfig,
+    NativeMoEBlock,
+    TeEpMoEBlock,
+    copy_parameters,
+    fwd_bwd,
+)
 
 WORLD = 2
 TIMEOUT_S = 150

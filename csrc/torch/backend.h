@@ -1,4 +1,4 @@
-// Backend interface shared by the op adapters (ops.cpp) and the two
+// Backend interface shared by the op adapters (comm_ops.cpp) and the two
 // backends: the torch.distributed reference backend and the NCCL EP backend.
 #pragma once
 

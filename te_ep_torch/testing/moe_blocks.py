@@ -20,8 +20,13 @@ the same whatever the EP size; :func:`copy_parameters` copies a block's
 parameters into the other.
 
 Experts run either through ``torch._grouped_mm`` (one kernel per projection,
-offsets read on the device; a fast kernel for bfloat16 on SM 90 / SM 100) or
-through a loop over the local experts (host-side sizes; any device and dtype).
+offsets read on the device) or through a loop over the local experts (host-side
+sizes; any device and dtype); ``gemm="auto"`` picks the grouped GEMM where
+:func:`te_ep_torch.moe.grouped_mm_supported` says it has a fast kernel, the
+decision :class:`te_ep_torch.moe.MoE` makes too.
+
+Used by docs/tutorial.md, benchmarks/bench_moe_layer.py and tests/test_moe_blocks.py:
+``from te_ep_torch.testing.moe_blocks import NativeMoEBlock, TeEpMoEBlock``.
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-import te_ep_torch as te
+from ..autograd import ep_combine, ep_dispatch
+from ..group import EpGroup
+from ..moe import EXPERT_IMPLS, grouped_mm_supported
 
 __all__ = [
     "fwd_bwd",
@@ -43,11 +50,11 @@ __all__ = [
     "NativeMoEBlock",
     "TeEpMoEBlock",
     "copy_parameters",
-    "grouped_mm_has_fast_kernel",
     "resolve_gemm",
 ]
 
-GEMMS = ("auto", "grouped_mm", "loop")
+# The choices of GroupedExperts(impl=...): "auto", "grouped_mm", "loop".
+GEMMS = EXPERT_IMPLS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,24 +68,16 @@ class MoEConfig:
     dtype: torch.dtype = torch.bfloat16
 
 
-def grouped_mm_has_fast_kernel(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` runs its CUTLASS kernel here.
+def resolve_gemm(gemm: str, device: torch.device, dtype: torch.dtype, *dims: int) -> str:
+    """``"auto"`` -> ``"grouped_mm"`` where it has a fast kernel, else ``"loop"``.
 
-    That kernel (bfloat16, compute capability 9.x or 10.x) reads the offsets on
-    the device. Elsewhere ``torch._grouped_mm`` falls back to a loop of ``mm``
-    that copies the offsets to the host: correct, but no better than our loop.
+    ``dims`` are the feature dims of the operands (hidden, FFN size); the decision is
+    :func:`te_ep_torch.moe.grouped_mm_supported`'s.
     """
-    if not hasattr(torch, "_grouped_mm") or device.type != "cuda" or dtype != torch.bfloat16:
-        return False
-    return torch.cuda.get_device_capability(device)[0] in (9, 10)
-
-
-def resolve_gemm(gemm: str, device: torch.device, dtype: torch.dtype) -> str:
-    """``"auto"`` -> ``"grouped_mm"`` where it has a fast kernel, else ``"loop"``."""
     if gemm not in GEMMS:
         raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
     if gemm == "auto":
-        return "grouped_mm" if grouped_mm_has_fast_kernel(device, dtype) else "loop"
+        return "grouped_mm" if grouped_mm_supported(device, dtype, *dims) else "loop"
     if gemm == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
         raise RuntimeError(f"gemm='grouped_mm' needs torch._grouped_mm, which torch {torch.__version__} lacks")
     return gemm
@@ -125,7 +124,7 @@ class _MoEBase(torch.nn.Module):
         self.ep_size = ep_size
         self.num_local_experts = config.num_experts // ep_size
         self.device = torch.device(device)
-        self.gemm = resolve_gemm(gemm, self.device, config.dtype)
+        self.gemm = resolve_gemm(gemm, self.device, config.dtype, config.hidden, config.ffn)
         h, f, e_local = config.hidden, config.ffn, self.num_local_experts
         kw = dict(device=self.device)
         # The router is replicated: every rank holds the same [E, H] float32 weights.
@@ -283,7 +282,7 @@ class TeEpMoEBlock(_MoEBase):
 
     Args:
         config: sizes and dtype.
-        group: the :class:`te_ep_torch.EpGroup` (its process group is the EP group).
+        group: the :class:`~te_ep_torch.EpGroup` (its process group is the EP group).
         alignment: zone alignment of the handle (rows), e.g. what the grouped GEMM wants.
         capacity: receive rows of the handle; ``None``: the worst case.
         gemm: ``"grouped_mm"``, ``"loop"`` or ``"auto"``.
@@ -293,7 +292,7 @@ class TeEpMoEBlock(_MoEBase):
     def __init__(
         self,
         config: MoEConfig,
-        group: te.EpGroup,
+        group: EpGroup,
         *,
         alignment: int = 16,
         capacity: Optional[int] = None,
@@ -311,11 +310,11 @@ class TeEpMoEBlock(_MoEBase):
     def forward(self, x: Tensor) -> Tensor:
         self._check_input(x)
         topk_weights, topk_idx = self.route(x)
-        out = te.ep_dispatch(self.handle, x, topk_idx, topk_weights)
+        out = ep_dispatch(self.handle, x, topk_idx, topk_weights)
         y = self._experts(out.tokens, out.expert_counts)
         # Padding rows have weight 0; rows after the last zone are never read by combine.
         y = y * out.weights[:, None].to(y.dtype)
-        return te.ep_combine(self.handle, y, x.shape[0])
+        return ep_combine(self.handle, y, x.shape[0])
 
     def _experts(self, tokens: Tensor, expert_counts: Tensor) -> Tensor:
         if self.gemm == "grouped_mm":
