@@ -34,6 +34,7 @@ __all__ = [
     "RouterOutput",
     "SwiGLU",
     "TopKRouter",
+    "expert_load_stats",
     "grouped_mm_supported",
 ]
 
@@ -155,12 +156,13 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype, device=device))
         if expert_bias:
             self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device))
-            self.register_buffer(
-                "expert_load", torch.zeros(num_experts, dtype=torch.float32, device=device), persistent=False
-            )
         else:
             self.expert_bias = None
-            self.expert_load = None
+        # Choices per expert counted by this rank's training forwards since the last reset
+        # (int64: exact over any number of steps). Updated on the device, never read back
+        # by the layer itself: no host sync (docs/moe.md, "Expert-load statistics").
+        self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.int64, device=device),
+                             persistent=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -202,8 +204,8 @@ class TopKRouter(nn.Module):
         flat = topk_idx.reshape(-1)
         tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.float32, device=x.device)
         tokens_per_expert = tokens_per_expert.index_add(0, flat, torch.ones_like(flat, dtype=torch.float32))
-        if self.expert_load is not None and self.training:
-            self.expert_load.add_(tokens_per_expert)
+        if self.training:
+            self.expert_load.index_add_(0, flat, torch.ones_like(flat))
 
         aux_loss = None
         if self.aux_loss_coef > 0:
@@ -218,21 +220,39 @@ class TopKRouter(nn.Module):
         return RouterOutput(topk_idx, topk_weights, scores, tokens_per_expert, aux_loss)
 
     @torch.no_grad()
+    def read_expert_load(self, global_sum: bool = False) -> Tensor:
+        """``[E]`` int64 choices per expert counted by training forwards since the last reset.
+
+        A copy on the layer's device; nothing waits for the GPU. ``global_sum=True`` sums
+        the counts over ``router.process_group`` (a collective: every rank of the group
+        calls it; an all-reduce queued on the device, still no host sync); without a
+        group it is this rank's count.
+        """
+        load = self.expert_load.clone()
+        if global_sum and self.process_group is not None and torch.distributed.get_world_size(self.process_group) > 1:
+            torch.distributed.all_reduce(load, group=self.process_group)
+        return load
+
+    @torch.no_grad()
+    def reset_expert_load(self) -> None:
+        """Zeroes the expert-load counter (on the device)."""
+        self.expert_load.zero_()
+
+    @torch.no_grad()
     def update_expert_bias(self) -> Optional[Tensor]:
         """Moves the selection bias toward balanced load and resets the load counter.
 
         Experts that got fewer choices than average since the last update gain
-        ``bias_update_rate``, busier ones lose it. The load is summed over
-        ``process_group`` (collective then) so all ranks keep the same bias. Call it
-        after the optimizer step. Returns the load it used (``None`` without a bias).
+        ``bias_update_rate``, busier ones lose it. The load (:meth:`read_expert_load`) is
+        summed over ``process_group`` (collective then) so all ranks keep the same bias.
+        Call it after the optimizer step. Returns the load it used as float32 (``None``
+        without a bias; the counter is then left alone).
         """
         if self.expert_bias is None:
             return None
-        load = self.expert_load.clone()
-        if self.process_group is not None and torch.distributed.get_world_size(self.process_group) > 1:
-            torch.distributed.all_reduce(load, group=self.process_group)
+        load = self.read_expert_load(global_sum=True).float()
         self.expert_bias.add_(self.bias_update_rate * torch.sign(load.mean() - load))
-        self.expert_load.zero_()
+        self.reset_expert_load()
         return load
 
 
@@ -545,6 +565,14 @@ class MoE(nn.Module):
         """:meth:`TopKRouter.update_expert_bias` of this layer's router."""
         return self.router.update_expert_bias()
 
+    def read_expert_load(self, global_sum: bool = False) -> Tensor:
+        """:meth:`TopKRouter.read_expert_load` of this layer's router (global expert ids)."""
+        return self.router.read_expert_load(global_sum)
+
+    def reset_expert_load(self) -> None:
+        """:meth:`TopKRouter.reset_expert_load` of this layer's router."""
+        self.router.reset_expert_load()
+
     def extra_repr(self) -> str:
         return f"ep_size={self.ep_size}"
 
@@ -568,3 +596,20 @@ class _WeightedIntoBuffer(torch.autograd.Function):
         y, w = ctx.saved_tensors
         g = grad.float()
         return (g * w.unsqueeze(1)).to(y.dtype), (g * y.float()).sum(dim=1), None
+
+
+def expert_load_stats(model: nn.Module, global_sum: bool = False, reset: bool = False) -> Dict[str, Tensor]:
+    """``{name: [E] int64 load}`` of every :class:`MoE` layer in ``model`` (module names as
+    in ``model.named_modules()``): the choices per expert counted by training forwards
+    since the last reset (:meth:`TopKRouter.read_expert_load`), what load balancing and
+    expert placement (EPLB) read. No host sync; ``global_sum`` sums over each router's
+    ``process_group`` (collective), ``reset`` zeroes the counters after reading.
+    """
+    stats: Dict[str, Tensor] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, MoE):
+            stats[name] = module.read_expert_load(global_sum)
+            if reset:
+                module.reset_expert_load()
+    return stats
+

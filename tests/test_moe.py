@@ -731,3 +731,74 @@ def test_compile_fullgraph_with_expert_parallel_gpu(dtype):
 
 if __name__ == "__main__":
     _worker_main(sys.argv[1])
+
+
+# ---- expert-load statistics ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("expert_bias", [False, True])
+def test_router_expert_load_counts_training_forwards(expert_bias):
+    torch.manual_seed(0)
+    router = TopKRouter(16, 8, 3, expert_bias=expert_bias)
+    expected = torch.zeros(8, dtype=torch.int64)
+    for step in range(3):
+        out = router(torch.randn(10 + step, 16))
+        expected += torch.bincount(out.topk_idx.flatten(), minlength=8)
+    load = router.read_expert_load()
+    assert load.dtype == torch.int64 and torch.equal(load, expected)
+    assert int(load.sum()) == 3 * (10 + 11 + 12)
+    load.zero_()  # a copy: the counter is untouched
+    assert torch.equal(router.read_expert_load(), expected)
+    router.eval()
+    router(torch.randn(5, 16))
+    assert torch.equal(router.read_expert_load(), expected), "eval forwards are not counted"
+    router.reset_expert_load()
+    assert int(router.read_expert_load().sum()) == 0
+    assert "expert_load" not in router.state_dict()
+
+
+def test_expert_load_stats_of_a_model():
+    from te_ep_torch.moe import expert_load_stats
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(MoE(16, 8, 4, 2), torch.nn.Identity(), MoE(16, 8, 8, 1))
+    x = torch.randn(6, 16)
+    r0 = model[0].router(x)
+    r2 = model[2].router(x)
+    stats = expert_load_stats(model)
+    assert set(stats) == {"0", "2"}
+    assert torch.equal(stats["0"], torch.bincount(r0.topk_idx.flatten(), minlength=4))
+    assert torch.equal(stats["2"], torch.bincount(r2.topk_idx.flatten(), minlength=8))
+    again = expert_load_stats(model, reset=True)
+    assert torch.equal(again["0"], stats["0"])
+    assert all(int(v.sum()) == 0 for v in expert_load_stats(model).values())
+
+
+def test_router_expert_load_under_compile_has_no_graph_break():
+    """The count is a device-side index_add into a buffer: fullgraph compiles it."""
+    torch.manual_seed(0)
+    router = TopKRouter(16, 8, 2)
+    compiled = torch.compile(router, fullgraph=True, backend="aot_eager")
+    x = torch.randn(12, 16)
+    out = compiled(x)
+    compiled(x)
+    expected = 2 * torch.bincount(out.topk_idx.flatten(), minlength=8)
+    assert torch.equal(router.read_expert_load(), expected)
+
+
+def _global_expert_load(ctx):
+    torch.manual_seed(ctx.rank)
+    router = TopKRouter(16, 8, 2)
+    router.process_group = dist.group.WORLD
+    out = router(torch.randn(4 + ctx.rank, 16))
+    mine = torch.bincount(out.topk_idx.flatten(), minlength=8)
+    everyone = [torch.empty_like(mine) for _ in range(ctx.world_size)]
+    dist.all_gather(everyone, mine)
+    assert torch.equal(router.read_expert_load(), mine)
+    assert torch.equal(router.read_expert_load(global_sum=True), sum(everyone))
+    assert torch.equal(router.read_expert_load(), mine), "global_sum leaves the local counter alone"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_router_expert_load_global_sum(pools, world_size):
+    pools.run(world_size, _global_expert_load)
