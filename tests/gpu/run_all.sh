@@ -4,8 +4,9 @@
 # Runs, for every world size W in ${TE_EP_WORLD_SIZES:-2 4} that the machine has GPUs for:
 # the shared cases on the reference and nccl_ep backends (nccl_ep also against
 # the reference), the nccl_ep smoke test, and the 1000-step soak at the largest
-# W; then the permutation CUDA tests. Prints a summary line per part and exits
-# non-zero if any part failed. TE_EP_PARTS (default "suite smoke soak perm")
+# W; the fault-injection cases (tests/faults) at W=2 on nccl_ep in both modes; then the
+# permutation CUDA tests. Prints a summary line per part and exits
+# non-zero if any part failed. TE_EP_PARTS (default "suite smoke soak perm faults")
 # selects parts, e.g. to split the run across shorter commands.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -18,7 +19,7 @@ if [ "$ngpu" -lt 1 ]; then
   echo "no CUDA GPU visible: nothing to run"
   exit 1
 fi
-PARTS=" ${TE_EP_PARTS:-suite smoke soak perm} "
+PARTS=" ${TE_EP_PARTS:-suite smoke soak perm faults} "
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 status=0
 summary=()
@@ -51,6 +52,13 @@ done
 if [ "$largest" -gt 0 ] && want soak; then
   run "soak 1000 steps W=$largest nccl_ep" "$LOG/soak.log" \
     timeout 900 "$PY" -m torch.distributed.run --standalone --nproc-per-node="$largest" tests/gpu/soak.py --steps 1000
+fi
+# Each fault case in fresh processes with a hard wall-clock limit; fails on a behaviour
+# other than the one declared in tests/faults/cases.py (docs/ops.md, "Faults and bad input").
+if [ "$ngpu" -ge 2 ] && want faults; then
+  run "faults W=2 nccl_ep" "$LOG/faults.log" timeout 1200 "$PY" -m tests.faults --backend nccl_ep --world-size 2 -v
+  run "faults W=2 nccl_ep TE_EP_CHECK_ROUTING=1" "$LOG/faults.log" \
+    timeout 1200 "$PY" -m tests.faults --backend nccl_ep --world-size 2 --check-routing -v
 fi
 want perm && run "permutation CUDA tests" "$LOG/permutation.log" timeout 900 "$PY" -m pytest -q tests/test_permutation.py -k cuda
 echo

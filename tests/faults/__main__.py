@@ -1,0 +1,110 @@
+"""Runs the fault cases and prints one table row per case.
+
+    python3 -m tests.faults --backend reference --world-size 2
+    python3 -m tests.faults --backend nccl_ep --device cuda --world-size 2 [--check-routing]
+
+The runner launches the W processes of each case itself (no torchrun): on CUDA, rank r
+uses GPU r % device_count and an NCCL process group. Verdicts: ``contract`` (meets it),
+``shortfall`` (as declared in tests/faults/cases.py, short of the contract), ``UNEXPECTED``
+(differs from the declaration), ``STALE`` (declared short of the contract, now meets it),
+``measured`` (nothing declared for this backend variant). Exits 1 on any UNEXPECTED or
+STALE verdict, or a failed control.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+
+from . import cases as fault_cases
+from .expect import judge
+from .runner import (
+    DEFAULT_PG_TIMEOUT_CUDA_S,
+    DEFAULT_PG_TIMEOUT_S,
+    RunConfig,
+    describe,
+    run_case,
+    table_header,
+    table_row,
+)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python3 -m tests.faults", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", default="reference", choices=("reference", "nccl_ep"))
+    ap.add_argument("--device", default=None, choices=("cpu", "cuda"),
+                    help="default: cuda for nccl_ep, cpu for reference")
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--pg-timeout", type=float, default=None,
+                    help=f"timeout of each case's process group, seconds (default {DEFAULT_PG_TIMEOUT_S:g} on cpu, "
+                         f"{DEFAULT_PG_TIMEOUT_CUDA_S:g} on cuda)")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="nccl_ep: skip the fault-free warm-up case that fills NCCL EP's kernel cache first (the "
+                         "first use of a shape compiles for tens of seconds, which would count as a hang)")
+    ap.add_argument("--check-routing", action="store_true", help="TE_EP_CHECK_ROUTING=1 in the ranks (nccl_ep)")
+    ap.add_argument("--start-method", default="forkserver", choices=("forkserver", "spawn"))
+    ap.add_argument("-k", dest="patterns", nargs="+", default=None, metavar="SUBSTR",
+                    help="only cases whose name contains one of these")
+    ap.add_argument("--controls", action="store_true", help="also run the harness's control cases")
+    ap.add_argument("-v", "--verbose", action="store_true", help="every rank's record after each row")
+    args = ap.parse_args(argv)
+
+    if args.world_size < 2:
+        ap.error("--world-size must be at least 2 (a fault on one rank, the others running the step)")
+    device = args.device or ("cuda" if args.backend == "nccl_ep" else "cpu")
+    if args.backend == "nccl_ep" and device != "cuda":
+        ap.error("--backend nccl_ep needs --device cuda")
+    if device == "cuda":
+        import torch
+
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n < args.world_size:
+            ap.error(f"--device cuda --world-size {args.world_size}: needs one GPU per rank, found {n}")
+    pg_timeout = args.pg_timeout or (DEFAULT_PG_TIMEOUT_CUDA_S if device == "cuda" else DEFAULT_PG_TIMEOUT_S)
+    config = RunConfig(backend=args.backend, device=device, world_size=args.world_size,
+                       pg_timeout_s=pg_timeout, check_routing=args.check_routing,
+                       start_method=args.start_method)
+    selected = [c for c in fault_cases.CASES + (fault_cases.CONTROLS if args.controls else [])
+                if not args.patterns or any(p in c.name for p in args.patterns)]
+    print(f"te_ep fault cases: backend {config.variant}, W={config.world_size}, device {device}, "
+          f"PG timeout {config.pg_timeout_s:g} s", flush=True)
+    if args.backend == "nccl_ep" and not args.no_warmup:
+        for name in ("control_no_fault", "control_overflow_shape"):
+            warm = run_case(fault_cases.CASES_BY_NAME[name], dataclasses.replace(config, pg_timeout_s=300.0))
+            print(f"warm-up {name}: {', '.join(rec.outcome() for rec in warm.ranks)} in {warm.wall_s:.0f} s"
+                  f"{' (HANG)' if warm.hang else ''}", flush=True)
+    print(table_header(), flush=True)
+    counts: dict = {}
+    failures = []
+    t_start = time.monotonic()
+    for case in selected:
+        result = run_case(case, config)
+        verdict, problems = judge(case, result)
+        counts[verdict] = counts.get(verdict, 0) + 1
+        print(table_row(result, verdict), flush=True)
+        if args.verbose:
+            print(describe(result), flush=True)
+        if verdict in ("UNEXPECTED", "STALE"):
+            failures.append((case, result, problems))
+        elif verdict == "measured":
+            if case.documented.get(config.variant):
+                print(f"    documented: {case.documented[config.variant]}", flush=True)
+            for p in problems[:3]:
+                print(f"    vs the contract: {p.splitlines()[0][:200]}", flush=True)
+    print(f"\n{len(selected)} cases in {time.monotonic() - t_start:.0f} s: "
+          + ", ".join(f"{n} {v}" for v, n in sorted(counts.items())) + f"; {len(failures)} failed", flush=True)
+    shortfalls = [c for c in selected if not c.control and (c.expected(config.variant) or c.contract).shortfall]
+    if shortfalls:
+        print("\ndeclared shortfalls of the contract on this backend:")
+        for c in shortfalls:
+            print(f"  {c.name}: {c.expected(config.variant).shortfall}")
+    for case, result, problems in failures:
+        print(f"\n{case.name}: " + "\n  ".join(problems) + "\n" + describe(result), flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

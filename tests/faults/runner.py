@@ -1,0 +1,491 @@
+"""Runs one fault case in W fresh processes and records what every rank did.
+
+Processes. Each case gets W new processes (multiprocessing ``forkserver`` by default: a
+server that imported torch and te_ep_torch once forks them, so a case starts in a fraction
+of a second instead of paying ~5 s of imports per rank on a small machine; ``spawn`` starts
+bare interpreters). Nothing of a case survives into the next: new process group, new te_ep
+handle registry, new NCCL/gloo connections. The ranks meet in a FileStore in the case's own
+temporary directory, wait there until all of them are up (with the long start-up limit),
+then create the process group with the case's short timeout, so start-up skew never counts
+against it.
+
+Limits. ``startup_limit_s`` from launch until every rank has its process group; then the
+case's wall-clock limit (``Case.wall_s``): when it passes, every process of the case is
+killed and the case is a hang, with the ranks that had not finished marked ``hang``. A
+child also exits by itself after both limits and a margin, so no orphan outlives a runner
+that died.
+
+Records. A rank writes its record (JSON) when it has one: at the fault point (so a rank
+that is killed still has its fault time), when it exits on purpose, and when the case body
+returns. Then it lingers until the runner has a record or an exit status from every rank,
+so a rank that finished early never changes what the others see by closing its
+connections (a rank that *dies* does, and that is what the exit case measures). Exit
+codes: 0 the body returned, 1 it raised outside `FaultCtx.faulted` (a harness error), the
+injected code for a deliberate exit, negative for a signal (-9: killed by the runner).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import multiprocessing
+import os
+import re
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from typing import Callable, List, Optional
+
+DEFAULT_PG_TIMEOUT_S = 5.0  # on CPU; on CUDA the command line defaults to DEFAULT_PG_TIMEOUT_CUDA_S
+DEFAULT_PG_TIMEOUT_CUDA_S = 20.0
+DEFAULT_STARTUP_LIMIT_S = 180.0
+# The exit code of a rank that leaves on purpose (the rank_exits_mid_step case).
+INJECTED_EXIT_CODE = 3
+# A finished rank waits at most this long for the others before it exits anyway.
+_LINGER_LIMIT_S = 600.0
+
+
+def _pkg() -> str:
+    """This package's import name (``faults`` under pytest, ``tests.faults`` under -m)."""
+    return __name__.rsplit(".", 1)[0]
+
+
+# ---------------------------------------------------------------------------
+# configuration and records
+# ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    backend: str = "reference"  # te_ep backend: "reference" or "nccl_ep"
+    device: str = "cpu"  # "cpu" (gloo process group) or "cuda" (NCCL process group, one GPU per rank)
+    world_size: int = 2
+    pg_timeout_s: float = DEFAULT_PG_TIMEOUT_S
+    check_routing: bool = False  # TE_EP_CHECK_ROUTING=1 in the ranks (nccl_ep's agreeing mode)
+    start_method: str = "forkserver"
+    startup_limit_s: float = DEFAULT_STARTUP_LIMIT_S
+
+    @property
+    def variant(self) -> str:
+        """Which declared behaviour applies: "reference" (on CPU), "nccl_ep", "nccl_ep+check";
+        "reference+cuda" has none."""
+        if self.backend == "nccl_ep":
+            return "nccl_ep+check" if self.check_routing else "nccl_ep"
+        return self.backend if self.device == "cpu" else f"{self.backend}+{self.device}"
+
+
+@dataclasses.dataclass
+class RankRecord:
+    rank: int
+    # "completed": the faulted call returned; "raised": it raised; "exited": the rank left on
+    # purpose; "hang": killed at the wall limit; "died": the process ended without a record
+    # (a signal, an abort); "error": the case body failed outside the faulted call (harness).
+    status: str = "died"
+    exc_type: str = ""
+    exc_mro: List[str] = dataclasses.field(default_factory=list)
+    message: str = ""
+    t_fault: Optional[float] = None  # time.time() at this rank's fault point
+    t_end: Optional[float] = None  # ... when the faulted call raised or returned (or the rank was killed)
+    seconds: Optional[float] = None  # t_end - the case's fault time (the earliest t_fault of any rank)
+    exit_code: Optional[int] = None
+    output: str = ""  # "correct", "wrong: ...", or "" where no completed output was checked
+    recovery: List[List[str]] = dataclasses.field(default_factory=list)  # [step, "ok" | "failed: ..."]
+    handle_id: Optional[int] = None
+    traceback: str = ""
+
+    @property
+    def first_line(self) -> str:
+        return self.message.strip().splitlines()[0] if self.message.strip() else ""
+
+    @property
+    def names_handle(self) -> Optional[bool]:
+        """Whether the message names the handle (``handle 3`` / ``handle_id 3``); None without one."""
+        if self.handle_id is None or not self.message:
+            return None
+        return re.search(rf"\bhandle(?:_id)? {self.handle_id}\b", self.message) is not None
+
+    def outcome(self) -> str:
+        if self.status == "completed":
+            return "completed" + {"correct": ":ok", "wrong": ":WRONG"}.get(self.output.split(":")[0], "")
+        if self.status == "exited":
+            return f"exited({self.exit_code})"
+        if self.status == "died":
+            return f"died({self.exit_code})"
+        return self.status
+
+
+@dataclasses.dataclass
+class CaseResult:
+    case: str
+    config: RunConfig
+    faulty: int
+    ranks: List[RankRecord]
+    hang: bool = False
+    startup_error: str = ""
+    wall_s: float = 0.0  # from "every rank has its process group" to the end
+
+    @property
+    def world_size(self) -> int:
+        return self.config.world_size
+
+
+# ---------------------------------------------------------------------------
+# inside a rank
+# ---------------------------------------------------------------------------
+class FaultCtx:
+    """What a case body gets on its rank. Duck-types tests/_dist.Ctx (rank, world_size,
+    device, backend) so the ep_cases helpers (make_group, run_exact_step) take it."""
+
+    def __init__(self, rank: int, config: RunConfig, faulty: int, record_path: str):
+        self.rank = rank
+        self.world_size = config.world_size
+        self.backend = config.backend
+        self.config = config
+        self.pg_timeout_s = config.pg_timeout_s
+        self.faulty = faulty
+        self.is_faulty = rank == faulty
+        if config.device == "cuda":
+            import torch
+
+            self.device = f"cuda:{torch.cuda.current_device()}"
+        else:
+            self.device = "cpu"
+        self.record = RankRecord(rank=rank, status="running")
+        self._path = record_path
+        self._faulted_done = False
+
+    # -- the body calls these ---------------------------------------------------
+    def fault_point(self) -> None:
+        """Marks the moment of the fault on this rank (first call only); every rank calls it
+        where the faulted step starts, the faulty rank right before it injects the fault."""
+        if self.record.t_fault is None:
+            self.record.t_fault = time.time()
+            self.write()
+
+    def faulted(self, call: Callable):
+        """Runs the faulted step. Returns ``(True, value)`` if it returned, ``(False, None)`` if it
+        raised (the exception is recorded; the body may go on with recovery steps)."""
+        assert not self._faulted_done, "one faulted call per case"
+        self._faulted_done = True
+        self.fault_point()
+        try:
+            value = call()
+        except Exception as exc:  # noqa: BLE001 - recorded, judged by the expectation
+            self.record.t_end = time.time()
+            self.record.status = "raised"
+            self._set_exception(exc)
+            self.write()
+            return False, None
+        self.record.t_end = time.time()
+        self.record.status = "completed"
+        self.write()
+        return True, value
+
+    def check_output(self, check: Callable) -> None:
+        """Compares a completed step's outputs with the local reference; records the verdict."""
+        try:
+            check()
+        except Exception as exc:  # noqa: BLE001
+            self.record.output = f"wrong: {_first_line(exc)}"
+        else:
+            self.record.output = "correct"
+        self.write()
+
+    def recover(self, name: str, step: Callable) -> None:
+        """A step after the fault (same or new handle); records "ok" or why not."""
+        try:
+            step()
+        except Exception as exc:  # noqa: BLE001
+            self.record.recovery.append([name, f"failed: {type(exc).__name__}: {_first_line(exc)}"])
+        else:
+            self.record.recovery.append([name, "ok"])
+        self.write()
+
+    def exit_now(self, code: int = INJECTED_EXIT_CODE) -> None:
+        """The injected crash: leaves without cleanup, as a killed or crashed rank would."""
+        self.fault_point()
+        self.record.status = "exited"
+        self.record.t_end = time.time()
+        self.write()
+        os._exit(code)
+
+    # -- plumbing ---------------------------------------------------------------
+    def _set_exception(self, exc: BaseException) -> None:
+        self.record.exc_type = _qualname(type(exc))
+        self.record.exc_mro = [c.__name__ for c in type(exc).__mro__]
+        self.record.message = str(exc)
+        self.record.traceback = "".join(traceback.format_exception(exc))
+
+    def write(self) -> None:
+        tmp = f"{self._path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(dataclasses.asdict(self.record), f)
+        os.replace(tmp, self._path)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _qualname(t: type) -> str:
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__name__}"
+
+
+def _child_main(case_name: str, rank: int, config: RunConfig, case_dir: str, self_deadline: float) -> None:
+    # Never outlive a runner that died: leave after the deadline whatever happens.
+    killer = threading.Timer(max(1.0, self_deadline - time.time()), lambda: os._exit(124))
+    killer.daemon = True
+    killer.start()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if config.check_routing:
+        os.environ["TE_EP_CHECK_ROUTING"] = "1"
+    else:
+        os.environ.pop("TE_EP_CHECK_ROUTING", None)
+    if config.device == "cuda":
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        # NCCL EP's own GPU-side wait (default ~100 s) bounds how long a rank waits for a
+        # peer inside NCCL EP; keep it near the case's scale unless the caller set it.
+        # 1.5 PG timeouts: longer than the late rank of rank_sleeps_past_timeout sleeps, shorter
+        # than a case's wall limit, so what NCCL EP does when it gives up is seen.
+        os.environ.setdefault("NCCL_EP_TIMEOUT_MS", str(int(1.5 * config.pg_timeout_s * 1000)))
+    record_path = os.path.join(case_dir, f"rank{rank}.json")
+    code = 0
+    try:
+        import importlib
+
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        cases = importlib.import_module(f"{_pkg()}.cases")
+        case = cases.CASES_BY_NAME[case_name]
+        W = config.world_size
+        store = dist.FileStore(os.path.join(case_dir, "store"), W)
+        store.set_timeout(datetime.timedelta(seconds=config.startup_limit_s))
+        store.set(f"up{rank}", "1")
+        store.wait([f"up{r}" for r in range(W)])
+        kwargs = {}
+        if config.device == "cuda":
+            dev = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(dev)
+            kwargs["device_id"] = dev
+            pg_backend = "nccl"
+        else:
+            pg_backend = "gloo"
+        dist.init_process_group(pg_backend, store=store, rank=rank, world_size=W,
+                                timeout=datetime.timedelta(seconds=config.pg_timeout_s), **kwargs)
+        import te_ep_torch  # noqa: F401  (a broken build fails here, reported as a harness error)
+
+        _touch(os.path.join(case_dir, f"ready{rank}"))
+        f = FaultCtx(rank, config, case.faulty(W), record_path)
+    except BaseException:
+        rec = RankRecord(rank=rank, status="error", traceback=traceback.format_exc(),
+                         message="start-up failed: " + traceback.format_exc().strip().splitlines()[-1])
+        _write_json(record_path, dataclasses.asdict(rec))
+        os._exit(1)
+    try:
+        case.body(f)
+        if f.record.status == "running":  # the body never reached its faulted call
+            raise AssertionError("case body returned without calling FaultCtx.faulted")
+    except BaseException as exc:  # a harness error: the body failed outside the faulted call
+        f.record.status = "error"
+        f.record.t_end = f.record.t_end or time.time()
+        f._set_exception(exc)
+        code = 1
+    f.write()
+    # Linger until the runner has heard from every rank (see the module docstring).
+    release = os.path.join(case_dir, "release")
+    stop = time.time() + _LINGER_LIMIT_S
+    while not os.path.exists(release) and time.time() < stop:
+        time.sleep(0.02)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _touch(path: str) -> None:
+    with open(path, "w"):
+        pass
+
+
+def _write_json(path: str, obj) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------
+# the runner
+# ---------------------------------------------------------------------------
+_mp_contexts: dict = {}
+
+
+def _mp_context(method: str):
+    if method not in _mp_contexts:
+        ctx = multiprocessing.get_context(method)
+        if method == "forkserver":
+            # Imported once in the server; every case forks fresh processes from it. CUDA is
+            # never initialised there (importing torch does not), so children may use it.
+            ctx.set_forkserver_preload(["torch", "torch.distributed", "te_ep_torch", f"{_pkg()}.cases"])
+        _mp_contexts[method] = ctx
+    return _mp_contexts[method]
+
+
+def _read_record(path: str) -> Optional[RankRecord]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return RankRecord(**data)
+
+
+_FINAL = ("completed", "raised", "exited", "error")
+
+
+def run_case(case, config: RunConfig) -> CaseResult:
+    """Runs `case` (a cases.Case) on ``config.world_size`` fresh processes; never hangs.
+
+    As with any multiprocessing start method but fork, a script that calls this must keep its
+    top-level code under ``if __name__ == "__main__":`` (the children import the main module).
+    """
+    W = config.world_size
+    ctx = _mp_context(config.start_method)
+    wall = case.wall_s(config.pg_timeout_s)
+    case_dir = tempfile.mkdtemp(prefix=f"te_ep_fault_{case.name}_")
+    self_deadline = time.time() + config.startup_limit_s + wall + 60.0
+    procs = [
+        ctx.Process(target=_child_main, args=(case.name, r, config, case_dir, self_deadline),
+                    name=f"te_ep_fault_{case.name}_r{r}", daemon=True)
+        for r in range(W)
+    ]
+    result = CaseResult(case=case.name, config=config, faulty=case.faulty(W), ranks=[])
+    paths = [os.path.join(case_dir, f"rank{r}.json") for r in range(W)]
+    try:
+        for p in procs:
+            p.start()
+        # start-up: every rank has its process group (or one failed)
+        deadline = time.monotonic() + config.startup_limit_s
+        while not all(os.path.exists(os.path.join(case_dir, f"ready{r}")) for r in range(W)):
+            failed = [r for r in range(W) if not procs[r].is_alive()
+                      and not os.path.exists(os.path.join(case_dir, f"ready{r}"))]
+            if failed or time.monotonic() > deadline:
+                _kill(procs)
+                recs = [_read_record(paths[r]) or RankRecord(rank=r, status="died", exit_code=procs[r].exitcode)
+                        for r in range(W)]
+                why = "; ".join(f"rank {rec.rank}: {rec.message or rec.status}" for rec in recs if rec.rank in failed)
+                result.startup_error = why or f"not every rank was up within {config.startup_limit_s:.0f} s"
+                result.ranks = recs
+                return result
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        deadline = t0 + wall
+        seen_dead: dict = {}
+        while True:
+            recs = [_read_record(path) for path in paths]
+            for r, p in enumerate(procs):
+                if r not in seen_dead and not p.is_alive():
+                    seen_dead[r] = time.time()
+            done = [(rec is not None and rec.status in _FINAL) or r in seen_dead for r, rec in enumerate(recs)]
+            if all(done):
+                break
+            if time.monotonic() > deadline:
+                result.hang = True
+                break
+            time.sleep(0.01)
+        t_stop = time.time()
+        result.wall_s = time.monotonic() - t0
+        _touch(os.path.join(case_dir, "release"))
+        if result.hang:
+            _kill(procs)
+        else:
+            for p in procs:
+                p.join(timeout=10)
+            _kill(procs)
+        result.ranks = _finish_records(paths, procs, t_stop, seen_dead)
+        return result
+    finally:
+        _kill(procs)
+        shutil.rmtree(case_dir, ignore_errors=True)
+
+
+def _finish_records(paths: List[str], procs, t_stop: float, seen_dead: dict) -> List[RankRecord]:
+    recs = []
+    for r, path in enumerate(paths):
+        rec = _read_record(path) or RankRecord(rank=r, status="running")
+        rec.exit_code = procs[r].exitcode
+        if rec.status == "running":  # no final record: it died, or it was killed at the wall limit
+            if r in seen_dead:
+                rec.status, rec.t_end = "died", seen_dead[r]
+            else:
+                rec.status, rec.t_end = "hang", t_stop
+        recs.append(rec)
+    t_fault = min((rec.t_fault for rec in recs if rec.t_fault is not None), default=None)
+    for rec in recs:
+        if t_fault is not None and rec.t_end is not None:
+            rec.seconds = rec.t_end - t_fault
+    return recs
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        if p.pid is not None:
+            p.join(timeout=10)
+
+
+# ---------------------------------------------------------------------------
+# the table
+# ---------------------------------------------------------------------------
+def _secs(rec: RankRecord) -> str:
+    if rec.seconds is None:
+        return "-"
+    return (">" if rec.status == "hang" else "") + f"{rec.seconds:.2f}"
+
+
+def table_header() -> str:
+    return f"{'case':<32} {'backend':<14} {'W':>2}  {'outcome per rank':<46} {'s to fail':<17} {'verdict':<10} message"
+
+
+def table_row(result: CaseResult, verdict: str = "") -> str:
+    if result.startup_error:
+        return (f"{result.case:<32} {result.config.variant:<14} {result.world_size:>2}  {'start-up failed':<46} "
+                f"{'-':<17} {verdict:<10} {result.startup_error[:160]}")
+    outcome = ", ".join(f"r{rec.rank} {rec.outcome()}" for rec in result.ranks)
+    if result.hang:
+        outcome = "HANG: " + outcome
+    secs = " ".join(_secs(rec) for rec in result.ranks)
+    # the faulty rank's own message, else the first one there is
+    msgs = [rec for rec in result.ranks if rec.first_line]
+    msgs.sort(key=lambda rec: rec.rank != result.faulty)
+    message = msgs[0].first_line if msgs else ""
+    if msgs and len({rec.first_line for rec in msgs}) > 1:
+        other = next(rec for rec in msgs[1:] if rec.first_line != message)
+        message += f"  || r{other.rank}: {other.first_line}"
+    return (f"{result.case:<32} {result.config.variant:<14} {result.world_size:>2}  {outcome:<46} {secs:<17} "
+            f"{verdict:<10} {message[:220]}")
+
+
+def describe(result: CaseResult) -> str:
+    """Every rank's record in full (for failures and --verbose)."""
+    lines = [f"{result.case} ({result.config.variant}, W={result.world_size}, faulty rank {result.faulty}, "
+             f"PG timeout {result.config.pg_timeout_s:g} s){' HANG' if result.hang else ''}"
+             f"{' start-up: ' + result.startup_error if result.startup_error else ''}"]
+    for rec in result.ranks:
+        lines.append(f"  rank {rec.rank}: {rec.outcome()} after {_secs(rec)} s, exit code {rec.exit_code}, "
+                     f"{rec.exc_type or 'no exception'}; handle {rec.handle_id} named: {rec.names_handle}")
+        if rec.message:
+            lines.append("    message: " + rec.message.strip().replace("\n", "\n             "))
+        if rec.output:
+            lines.append(f"    output: {rec.output}")
+        for name, verdict in rec.recovery:
+            lines.append(f"    after: {name}: {verdict}")
+        if rec.status == "error" and rec.traceback:
+            lines.append("    " + rec.traceback.strip().replace("\n", "\n    "))
+    return "\n".join(lines)
