@@ -74,6 +74,41 @@ std::shared_ptr<HandleEntry> lookup(const char* op, int64_t handle_id) {
   TORCH_CHECK(false, msg.str());
 }
 
+// The first line of a message (transport errors carry long backtraces).
+std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
+
+// Runs `op` on handle `handle_id`: every rank's error agreement on `error`
+// (the first argument error found here, or empty), then `body`. What escapes
+// names the handle and its group: an agreed te_ep error gets them appended; a
+// failure of a collective itself (a rank exited, or did not reach the op
+// within the process group's timeout) becomes an error that names the op and
+// the handle and says what state the process is in (docs/ops.md, "Faults and
+// bad input"); anything else is prefixed with the op and the handle.
+template <typename F>
+auto run_op(const HandleEntry& h, int64_t handle_id, const char* op, const std::string& error, F&& body)
+    -> decltype(body()) {
+  std::string transport;
+  try {
+    h.backend->agree_on_errors(op, error);
+    return body();
+  } catch (const c10::DistError& e) {
+    transport = first_line(e.what_without_backtrace());
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    if (msg.rfind("te_ep.", 0) == 0) {
+      TORCH_CHECK(false, msg, "\n(handle ", handle_id, " of group '", h.cfg.group_name, "')");
+    }
+    TORCH_CHECK(false, "te_ep.", op, " on handle ", handle_id, " of group '", h.cfg.group_name, "': ", msg);
+  } catch (const std::exception& e) {  // gloo's transport errors are not c10 errors
+    transport = first_line(e.what());
+  }
+  TORCH_CHECK(false, "te_ep.", op, " on handle ", handle_id, " of group '", h.cfg.group_name,
+              "': a collective with the other ranks failed (", transport,
+              "): a rank exited or did not reach this op within the process group's timeout. The process group "
+              "can no longer be used: exit and let torchrun restart the job, or destroy it and build a new process "
+              "group and EpGroup");
+}
+
 // Collects the first argument error of an op as a message instead of
 // throwing, so the ranks can agree on it before any rank gives up.
 class ArgCheck {
@@ -299,8 +334,8 @@ std::tuple<at::Tensor, at::Tensor> prepare(
     error = h->backend->validate_routing(topk_idx);
     if (!error.empty()) error = "te_ep.prepare: " + error;
   }
-  h->backend->agree_on_errors("prepare", error);
-  return h->backend->prepare(topk_idx, handle_mem);
+  return run_op(*h, handle_id, "prepare", error,
+                [&] { return h->backend->prepare(topk_idx, handle_mem); });
 }
 
 std::tuple<at::Tensor, at::Tensor> dispatch(
@@ -316,8 +351,8 @@ std::tuple<at::Tensor, at::Tensor> dispatch(
   check.dtype(topk_weights, "topk_weights", at::kFloat, "");
   check.size(topk_weights, "topk_weights", 0, check.ok() ? tokens.size(0) : 0, "num_tokens");
   check.size(topk_weights, "topk_weights", 1, cfg.top_k, "the handle's top_k");
-  h->backend->agree_on_errors("dispatch", check.error());
-  return h->backend->dispatch(tokens, topk_weights, handle_mem);
+  return run_op(*h, handle_id, "dispatch", check.error(),
+                [&] { return h->backend->dispatch(tokens, topk_weights, handle_mem); });
 }
 
 at::Tensor combine(
@@ -329,8 +364,8 @@ at::Tensor combine(
   check_common(check, *h, handle_mem, group_name);
   check_recv_rows(check, cfg, expert_out, "expert_out");
   check_num_tokens(check, *h, handle_mem, num_tokens);
-  h->backend->agree_on_errors("combine", check.error());
-  return h->backend->combine(expert_out, handle_mem, num_tokens);
+  return run_op(*h, handle_id, "combine", check.error(),
+                [&] { return h->backend->combine(expert_out, handle_mem, num_tokens); });
 }
 
 std::tuple<at::Tensor, at::Tensor> dispatch_bwd(
@@ -346,8 +381,10 @@ std::tuple<at::Tensor, at::Tensor> dispatch_bwd(
   check.dtype(grad_recv_weights, "grad_recv_weights", at::kFloat, "");
   check.size(grad_recv_weights, "grad_recv_weights", 0, cfg.capacity, "the handle's capacity");
   check_num_tokens(check, *h, handle_mem, num_tokens);
-  h->backend->agree_on_errors("dispatch_bwd", check.error());
-  return h->backend->dispatch_bwd(grad_recv_tokens, grad_recv_weights, handle_mem, num_tokens);
+  return run_op(*h, handle_id, "dispatch_bwd", check.error(),
+                [&] {
+                  return h->backend->dispatch_bwd(grad_recv_tokens, grad_recv_weights, handle_mem, num_tokens);
+                });
 }
 
 at::Tensor combine_bwd(
@@ -359,8 +396,8 @@ at::Tensor combine_bwd(
   check_common(check, *h, handle_mem, group_name);
   check.require(capacity == cfg.capacity, "capacity must be ", cfg.capacity, " (the handle's), got ", capacity);
   check_token_rows(check, *h, handle_mem, grad_out, "grad_out");
-  h->backend->agree_on_errors("combine_bwd", check.error());
-  return h->backend->combine_bwd(grad_out, handle_mem);
+  return run_op(*h, handle_id, "combine_bwd", check.error(),
+                [&] { return h->backend->combine_bwd(grad_out, handle_mem); });
 }
 
 }  // namespace
