@@ -276,27 +276,28 @@ def _permute_bwd_fake(row_id_map, grad_output, grad_permuted_probs):
     return grad_tokens, grad_probs
 
 
-@torch.library.register_fake("te_ep::unpermute")
-def _unpermute_fake(input, row_id_map, src_slot, merging_probs):
-    op = "te_ep.unpermute"
-    _check_rows(op, "input", input)
+def _check_unpermute_args(op, rows_name, rows, row_id_map, src_slot, merging_probs, same_rows, what) -> None:
+    """The checks unpermute and its backward share; ``same_rows`` must have ``rows``' row count."""
+    _check_rows(op, rows_name, rows)
     _check_int32_map(op, "row_id_map", row_id_map, 2)
     _check_int32_map(op, "src_slot", src_slot, 1)
-    _check(src_slot.shape[0] == input.shape[0], f"{op}: src_slot.size(0) must equal input.size(0)")
+    _check(same_rows.shape[0] == rows.shape[0], f"{op}: {what}.size(0) must equal {rows_name}.size(0)")
     if merging_probs is not None:
         _check_probs(op, "merging_probs", merging_probs, row_id_map.shape)
+
+
+@torch.library.register_fake("te_ep::unpermute")
+def _unpermute_fake(input, row_id_map, src_slot, merging_probs):
+    _check_unpermute_args("te_ep.unpermute", "input", input, row_id_map, src_slot, merging_probs, src_slot,
+                          "src_slot")
     return input.new_empty((row_id_map.shape[0], input.shape[1]))
 
 
 @torch.library.register_fake("te_ep::unpermute_bwd")
 def _unpermute_bwd_fake(grad_output, row_id_map, src_slot, merging_probs, input):
     op = "te_ep.unpermute_bwd"
-    _check_rows(op, "grad_output", grad_output)
-    _check_int32_map(op, "row_id_map", row_id_map, 2)
-    _check_int32_map(op, "src_slot", src_slot, 1)
-    _check(row_id_map.shape[0] == grad_output.shape[0], f"{op}: row_id_map.size(0) must equal grad_output.size(0)")
-    if merging_probs is not None:
-        _check_probs(op, "merging_probs", merging_probs, row_id_map.shape)
+    _check_unpermute_args(op, "grad_output", grad_output, row_id_map, src_slot, merging_probs, row_id_map,
+                          "row_id_map")
     capacity = src_slot.shape[0]
     if input is not None:
         _check(merging_probs is not None, f"{op}: input is only needed for the gradient of merging_probs")
