@@ -12,7 +12,14 @@ experts with stacked weights, EP over all ranks) runs as
   padded to --alignment), experts, the reverse, weighted sum per token;
 * ``te_ep``   TeEpMoEBlock: ep_dispatch (zones aligned to --alignment), the
   grouped GEMM on the expert-major buffer, weights, ep_combine; once per
-  --backend (``auto`` is nccl_ep on Hopper GPUs where NCCL EP loads).
+  --backend (``auto`` is nccl_ep on Hopper GPUs where NCCL EP loads);
+* ``compute`` ComputeOnlyMoEBlock, after each te_ep block (unless
+  --no-compute-only): the same router, experts and weighting with dispatch and
+  combine replaced by local stand-ins of the same shapes (``te.permute`` of
+  this rank's tokens to its own experts into the same capacity and alignment,
+  ``te.unpermute`` back), i.e. the layer's compute-only time; printed as
+  ``exposed comm = te_ep time - compute-only time``. Timed, not verified (its
+  experts differ from the EP block's).
 
 Both use the same experts kernel (--gemm: ``torch._grouped_mm`` where
 te_ep_torch.moe.grouped_mm_supported says so, i.e. bf16 on SM 90+ with H and F
@@ -79,6 +86,7 @@ import te_ep_torch as te  # noqa: E402
 from te_ep_torch.testing.moe_blocks import (  # noqa: E402
     GEMMS,
     MoEConfig,
+    ComputeOnlyMoEBlock,
     NativeMoEBlock,
     TeEpMoEBlock,
     copy_parameters,
@@ -123,6 +131,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="size te_ep receive buffers for any routing (EpGroup.worst_case_capacity)")
     parser.add_argument("--warmup", type=int, help="untimed steps per measurement (default 10; cpu 1)")
     parser.add_argument("--iters", type=int, help="timed steps per measurement (default 30; cpu 3)")
+    parser.add_argument("--no-compute-only", action="store_true",
+                        help="skip the compute-only stand-in of each te_ep block (and the exposed-comm line)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--csv", help="also write the rows to this CSV file (rank 0)")
     args = parser.parse_args(argv)
@@ -287,6 +297,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             if rank == 0:
                 print(f"  {name:<14} max|diff| {max_abs:.3e}  rel L2 {rel:.3e}  {'ok' if ok else 'MISMATCH'}")
         blocks.append(("te_ep", group.backend, block, capacity))
+        if not args.no_compute_only:
+            stand_in = ComputeOnlyMoEBlock(config, ep_rank=rank, ep_size=world, device=device,
+                                           alignment=args.alignment, capacity=capacity, gemm=args.gemm,
+                                           seed=args.seed + 1)
+            copy_parameters(native, stand_in)
+            blocks.append(("compute", group.backend, stand_in, capacity))
 
     if rank == 0:
         print("\ntiming ...", flush=True)
@@ -322,12 +338,26 @@ def main(argv: Optional[List[str]] = None) -> int:
     for row in rows:
         row["speedup"] = rows[0]["step_ms"] / row["step_ms"]
         row["fwd_speedup"] = rows[0]["fwd_ms"] / row["fwd_ms"]
+    # Exposed communication: the te_ep layer's time minus that of its compute-only stand-in.
+    compute = {row["backend"]: row for row in rows if row["block"] == "compute"}
+    exposed = []
+    for row in rows:
+        if row["block"] == "te_ep" and row["backend"] in compute:
+            base = compute[row["backend"]]
+            row["exposed_comm_ms"] = row["step_ms"] - base["step_ms"]
+            row["exposed_comm_fwd_ms"] = row["fwd_ms"] - base["fwd_ms"]
+            exposed.append(f"exposed comm [{row['backend']}]: fwd+bwd {row['step_ms']:.3f} - {base['step_ms']:.3f} "
+                           f"= {row['exposed_comm_ms']:.3f} ms ({100 * row['exposed_comm_ms'] / row['step_ms']:.1f}% "
+                           f"of the step; layer / compute-only = {row['step_ms'] / base['step_ms']:.2f}x), "
+                           f"fwd {row['exposed_comm_fwd_ms']:.3f} ms")
 
     if rank == 0:
         print()
         print_table(rows)
         print("x native = native time / row time, forward + backward ('fwd x': forward alone); "
               "step GiB = peak memory a step adds to what is resident (worst rank)")
+        for line in exposed:
+            print(line)
         if not verify_ok:
             print("VERIFICATION FAILED: the te_ep block does not match the native block (see above)")
         if args.csv:
@@ -335,8 +365,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for row in rows for k in row)))
                 writer.writeheader()
                 writer.writerows(rows)
-    for _, _, block, _ in blocks[1:]:
-        block.group.shutdown()
+    for name, _, block, _ in blocks[1:]:
+        if name == "te_ep":
+            block.group.shutdown()
     # Gloo aborts a rank whose peer tore its connections down first.
     dist.barrier()
     dist.destroy_process_group()

@@ -35,6 +35,7 @@ if (REPO / "te_ep_torch" / "_C.so").exists():
 
 import te_ep_torch as te  # noqa: E402
 from te_ep_torch.testing.moe_blocks import (  # noqa: E402
+    ComputeOnlyMoEBlock,
     MoEConfig,
     NativeMoEBlock,
     TeEpMoEBlock,
@@ -163,8 +164,8 @@ class _PoisonedTail(TeEpMoEBlock):
 
     poisoned_rows = 0
 
-    def _experts(self, tokens, expert_counts):
-        y = super()._experts(tokens, expert_counts)
+    def _zone_experts(self, tokens, expert_counts):
+        y = super()._zone_experts(tokens, expert_counts)
         tail = torch.arange(y.shape[0], device=y.device)[:, None] >= expert_counts.sum()
         self.poisoned_rows = int(tail.sum())
         return torch.where(tail, torch.full_like(y, float("nan")), y)
@@ -309,9 +310,14 @@ def test_bench_moe_layer_cpu(tmp_path):
         assert any(line.split()[:len(q.split())] == q.split() and line.rstrip().endswith("ok")
                    for line in output.splitlines()), f"no passing verify line for {q!r}:\n{output}"
     assert "MISMATCH" not in output and "FAILED" not in output, output
-    assert [(r["block"], r["backend"]) for r in rows] == [("native", "-"), ("te_ep", "reference")]
+    assert [(r["block"], r["backend"]) for r in rows] == [
+        ("native", "-"), ("te_ep", "reference"), ("compute", "reference")]
     assert float(rows[0]["speedup"]) == 1.0
     assert all(float(r["step_ms"]) > 0 and float(r["tokens_per_s_per_gpu"]) > 0 for r in rows)
+    te_ep, compute = rows[1], rows[2]
+    exposed = float(te_ep["exposed_comm_ms"])
+    assert abs(exposed - (float(te_ep["step_ms"]) - float(compute["step_ms"]))) < 1e-9
+    assert f"exposed comm [reference]: fwd+bwd {float(te_ep['step_ms']):.3f} - {float(compute['step_ms']):.3f}" in output
 
 
 def test_bench_moe_layer_cpu_bf16_grouped_mm(tmp_path):
@@ -319,8 +325,46 @@ def test_bench_moe_layer_cpu_bf16_grouped_mm(tmp_path):
                               "--alignment", "8", "--top-k", "3")
     assert "resolves to reference, already measured" in output, output
     assert "MISMATCH" not in output, output
-    assert [r["gemm"] for r in rows] == ["grouped_mm", "grouped_mm"]
-    assert [r["dtype"] for r in rows] == ["bf16", "bf16"]
+    assert [r["gemm"] for r in rows] == ["grouped_mm", "grouped_mm", "grouped_mm"]
+    assert [r["dtype"] for r in rows] == ["bf16", "bf16", "bf16"]
+
+
+def test_bench_moe_layer_cpu_without_compute_only(tmp_path):
+    output, rows = _run_bench(tmp_path, "--no-compute-only")
+    assert [r["block"] for r in rows] == ["native", "te_ep"] and "exposed comm" not in output, output
+
+
+@pytest.mark.parametrize("ep_size,ep_rank,alignment", [(1, 0, 1), (2, 1, 8), (4, 2, 16)])
+def test_compute_only_block_is_the_layer_on_local_experts(ep_size, ep_rank, alignment):
+    """The stand-in computes y[t] = sum_k w[t, k] * expert_{idx[t, k] % E_local}(x[t]) with this
+    rank's experts, forward and backward (float64 reference); at EP size 1 that is the layer."""
+    cfg = MoEConfig(hidden=16, ffn=24, num_experts=8, top_k=3, dtype=torch.float32)
+    block = ComputeOnlyMoEBlock(cfg, ep_rank=ep_rank, ep_size=ep_size, device="cpu", alignment=alignment,
+                                gemm="loop", seed=3)
+    gen = torch.Generator().manual_seed(ep_size)
+    x = torch.randn(11, 16, generator=gen).requires_grad_()
+    grad_out = torch.randn(11, 16, generator=gen)
+    out = block(x)
+    out.backward(grad_out)
+
+    w = {n: getattr(block, n).detach().double().requires_grad_() for n in ("w_gate", "w_up", "w_down")}
+    router = block.router.detach().double().requires_grad_()
+    leaf = x.detach().double().requires_grad_()
+    _, topk_idx = block.route(x.detach())
+    weights = (leaf @ router.t()).softmax(dim=-1).gather(1, topk_idx)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    ref = torch.zeros_like(leaf)
+    for k in range(cfg.top_k):
+        e = topk_idx[:, k] % block.num_local_experts
+        h = torch.nn.functional.silu(torch.einsum("th,thf->tf", leaf, w["w_gate"][e]))
+        h = h * torch.einsum("th,thf->tf", leaf, w["w_up"][e])
+        ref = ref + weights[:, k : k + 1] * torch.einsum("tf,tfh->th", h, w["w_down"][e])
+    ref.backward(grad_out.double())
+    torch.testing.assert_close(out.double(), ref.detach(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), leaf.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(block.router.grad.double(), router.grad, rtol=1e-4, atol=1e-5)
+    for name, t in w.items():
+        torch.testing.assert_close(getattr(block, name).grad.double(), t.grad, rtol=1e-4, atol=1e-5)
 
 
 def test_tutorial_comparison_script_runs(tmp_path):

@@ -26,7 +26,8 @@ sizes; any device and dtype); ``gemm="auto"`` picks the grouped GEMM where
 decision :class:`te_ep_torch.moe.MoE` makes too.
 
 Used by docs/tutorial.md, benchmarks/bench_moe_layer.py and tests/test_moe_blocks.py:
-``from te_ep_torch.testing.moe_blocks import NativeMoEBlock, TeEpMoEBlock``.
+``from te_ep_torch.testing.moe_blocks import NativeMoEBlock, TeEpMoEBlock`` (and
+``ComputeOnlyMoEBlock``, the EP block's compute-only stand-in).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from torch import Tensor
 from ..autograd import ep_combine, ep_dispatch
 from ..group import EpGroup
 from ..moe import EXPERT_IMPLS, grouped_mm_supported
+from ..permutation import permute, unpermute
 
 __all__ = [
     "fwd_bwd",
@@ -153,6 +155,14 @@ class _MoEBase(torch.nn.Module):
         scores = F.linear(x.float(), self.router).softmax(dim=-1)
         topk_weights, topk_idx = scores.topk(self.config.top_k, dim=-1)
         return topk_weights / topk_weights.sum(dim=-1, keepdim=True), topk_idx
+
+    def _zone_experts(self, tokens: Tensor, expert_counts: Tensor) -> Tensor:
+        """The experts on expert-major rows in ``E_local`` zones of ``expert_counts`` rows."""
+        if self.gemm == "grouped_mm":
+            offs = expert_counts.cumsum(0, dtype=torch.int32)
+            return swiglu_grouped_mm(tokens, offs, self.w_gate, self.w_up, self.w_down)
+        # The loop needs the zone sizes on the host: a sync the grouped GEMM avoids.
+        return swiglu_loop(tokens, expert_counts.tolist(), self.w_gate, self.w_up, self.w_down)
 
     def _check_input(self, x: Tensor) -> None:
         if x.dim() != 2 or x.shape[1] != self.config.hidden:
@@ -311,17 +321,65 @@ class TeEpMoEBlock(_MoEBase):
         self._check_input(x)
         topk_weights, topk_idx = self.route(x)
         out = ep_dispatch(self.handle, x, topk_idx, topk_weights)
-        y = self._experts(out.tokens, out.expert_counts)
+        y = self._zone_experts(out.tokens, out.expert_counts)
         # Padding rows have weight 0; rows after the last zone are never read by combine.
         y = y * out.weights[:, None].to(y.dtype)
         return ep_combine(self.handle, y, x.shape[0])
 
-    def _experts(self, tokens: Tensor, expert_counts: Tensor) -> Tensor:
-        if self.gemm == "grouped_mm":
-            offs = expert_counts.cumsum(0, dtype=torch.int32)
-            return swiglu_grouped_mm(tokens, offs, self.w_gate, self.w_up, self.w_down)
-        # The loop needs the zone sizes on the host: a sync the grouped GEMM avoids.
-        return swiglu_loop(tokens, expert_counts.tolist(), self.w_gate, self.w_up, self.w_down)
+
+
+class ComputeOnlyMoEBlock(_MoEBase):
+    """:class:`TeEpMoEBlock` with no communication: its compute-only time.
+
+    Dispatch and combine are replaced by local stand-ins of the same shapes: each choice
+    goes to local expert ``topk_idx % num_local_experts`` of this rank (``te.permute``
+    into ``capacity`` expert-major rows with the same zone alignment, so the grouped GEMM
+    sees ``[capacity, H]`` rows in ``num_local_experts`` zones, as after dispatch), the
+    same experts and weighting, and ``te.unpermute`` back to the tokens. The router, the
+    experts and the weighting are those of the EP block, forward and backward; what is
+    missing is the token exchange. ``layer time - this block's time`` is the exposed
+    communication. Its outputs are not the EP block's (the experts differ), so it is timed,
+    not verified.
+
+    Args:
+        config: sizes and dtype.
+        ep_rank, ep_size: which experts this rank holds (as in the EP block).
+        device: where the parameters live.
+        alignment: zone alignment (rows).
+        capacity: rows of the expert-major buffer; raised to this rank's ``T * top_k`` rows
+            plus the worst-case padding where smaller (``None``: exactly that).
+        gemm: ``"grouped_mm"``, ``"loop"`` or ``"auto"``.
+        seed: parameter seed.
+    """
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        *,
+        ep_rank: int,
+        ep_size: int,
+        device: torch.device,
+        alignment: int = 16,
+        capacity: Optional[int] = None,
+        gemm: str = "auto",
+        seed: int = 0,
+    ) -> None:
+        super().__init__(config, ep_rank, ep_size, device, gemm, seed)
+        self.alignment = alignment
+        self.capacity = capacity
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check_input(x)
+        topk_weights, topk_idx = self.route(x)
+        e_local = self.num_local_experts
+        need = x.shape[0] * self.config.top_k + e_local * (self.alignment - 1)
+        capacity = need if self.capacity is None else max(self.capacity, need)
+        rows, row_weights, perm_map = permute(
+            x, topk_idx % e_local, topk_weights, num_experts=e_local, capacity=capacity, alignment=self.alignment
+        )
+        y = self._zone_experts(rows, perm_map.expert_counts)
+        y = y * row_weights[:, None].to(y.dtype)
+        return unpermute(y, perm_map)
 
 
 @torch.no_grad()
