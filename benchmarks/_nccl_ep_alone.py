@@ -34,6 +34,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from te_ep_torch.permutation import permute, unpermute
+
 # NCCL EP's kernels fetch max_dispatch_tokens_per_rank * top_k routing entries in
 # 16-byte units: te_ep rounds the send budget up to this multiple (docs/nccl_ep.md).
 SEND_BUDGET_MULTIPLE = 4
@@ -182,8 +184,6 @@ class NcclEpAlone:
                               stream=self._stream)
         if not self.flat:
             return self.recv
-        from te_ep_torch.permutation import permute
-
         rows, _, self._perm_map = permute(self.recv, self._recv_idx, num_experts=self._local_experts,
                                           capacity=self._capacity, alignment=self._alignment)
         return rows
@@ -210,8 +210,6 @@ class NcclEpAlone:
         in zero-copy mode that sum is copied into the combine window (timed too).
         """
         if self.flat:
-            from te_ep_torch.permutation import unpermute
-
             slots = unpermute(self._expert_out, self._perm_map)
             if self.zero_copy:
                 self._combine_rows.copy_(slots)

@@ -40,8 +40,8 @@ def agree(
     or the ranks disagree on any of ``fields`` (compared by ``repr``).
 
     The message starts with ``what`` (e.g. ``"EpGroup"``, ``"create_handle"``) and names
-    the ranks and values, e.g. ``create_handle: ranks disagree on hidden: rank 0: 64,
-    rank 1: 32``.
+    the ranks and values, e.g. ``create_handle: the ranks of the EP group must pass the
+    same configuration; they disagree on hidden (rank 0: 64, rank 1: 32)``.
     """
     world = dist.get_world_size(process_group)
     mine = ({k: repr(v) for k, v in fields.items()}, error)

@@ -202,10 +202,11 @@ class TopKRouter(nn.Module):
             topk_weights = topk_weights * self.route_scale
 
         flat = topk_idx.reshape(-1)
-        tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.float32, device=x.device)
-        tokens_per_expert = tokens_per_expert.index_add(0, flat, torch.ones_like(flat, dtype=torch.float32))
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+        counts = counts.index_add(0, flat, torch.ones_like(flat))
+        tokens_per_expert = counts.float()
         if self.training:
-            self.expert_load.index_add_(0, flat, torch.ones_like(flat))
+            self.expert_load.add_(counts)
 
         aux_loss = None
         if self.aux_loss_coef > 0:

@@ -78,12 +78,12 @@ std::shared_ptr<HandleEntry> lookup(const char* op, int64_t handle_id) {
 std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
 
 // Runs `op` on handle `handle_id`: every rank's error agreement on `error`
-// (the first argument error found here, or empty), then `body`. What escapes
-// names the handle and its group: an agreed te_ep error gets them appended; a
-// failure of a collective itself (a rank exited, or did not reach the op
-// within the process group's timeout) becomes an error that names the op and
-// the handle and says what state the process is in (docs/ops.md, "Faults and
-// bad input"); anything else is prefixed with the op and the handle.
+// (the first argument error found here, or empty), then `body`. A te_ep error
+// gets the handle and its group appended; a failure of a collective itself (a
+// rank exited, or did not reach the op within the process group's timeout)
+// becomes an error that names the op and the handle and says what state the
+// process is in (docs/ops.md, "Faults and bad input"). Anything else (a CUDA
+// error, running out of memory) propagates unchanged, with its type.
 template <typename F>
 auto run_op(const HandleEntry& h, int64_t handle_id, const char* op, const std::string& error, F&& body)
     -> decltype(body()) {
@@ -95,11 +95,9 @@ auto run_op(const HandleEntry& h, int64_t handle_id, const char* op, const std::
     transport = first_line(e.what_without_backtrace());
   } catch (const c10::Error& e) {
     const std::string msg = e.what_without_backtrace();
-    if (msg.rfind("te_ep.", 0) == 0) {
-      TORCH_CHECK(false, msg, "\n(handle ", handle_id, " of group '", h.cfg.group_name, "')");
-    }
-    TORCH_CHECK(false, "te_ep.", op, " on handle ", handle_id, " of group '", h.cfg.group_name, "': ", msg);
-  } catch (const std::exception& e) {  // gloo's transport errors are not c10 errors
+    if (msg.rfind("te_ep.", 0) != 0) throw;
+    TORCH_CHECK(false, msg, "\n(handle ", handle_id, " of group '", h.cfg.group_name, "')");
+  } catch (const std::runtime_error& e) {  // gloo's transport errors are not c10 errors
     transport = first_line(e.what());
   }
   TORCH_CHECK(false, "te_ep.", op, " on handle ", handle_id, " of group '", h.cfg.group_name,
