@@ -23,6 +23,11 @@ with the same receive capacity and zone alignment, runs through
   combine. Those te_ep kernels are inside the timed ops;
 * ``te_ep/reference`` te_ep_torch's torch.distributed backend (only with
   ``--backends ... reference``);
+* ``te_ep-fp8/MODE`` (with ``--fp8``, next to each te_ep row) the same handle
+  configuration dispatching block-scaled FP8 (``te.ep_dispatch_fp8``: e4m3 values
+  and a float32 scale per 128 values, ``quantize_fp8`` inside the timed
+  ``dispatch``); its ``quantize`` row is the quantizer alone, its ``x bf16``
+  column the bf16 row of the same mode over this one. Combine stays bf16;
 * ``all_to_all``   the baseline a user would write (TorchTitan style): sort
   (token, expert) pairs by expert, exchange per-expert counts with
   ``all_to_all_single``, ``.tolist()`` the splits, ``all_to_all_single`` one
@@ -50,13 +55,17 @@ Rows (ops), each the median over barrier-aligned iterations of the slowest rank:
   with ``copy_`` before each iteration, outside the timed region: combine
   consumes that buffer;
 * ``combine_copy`` (zero-copy te_ep only) combine from a plain tensor, which
-  te_ep first copies into its window.
+  te_ep first copies into its window;
+* ``quantize``     (FP8 rows only) ``te.quantize_fp8`` of the tokens; its GB/s
+  column is bytes read + written over the time (HBM traffic), to hold against the
+  device's copy bandwidth.
 
 Each iteration starts after a barrier and a device synchronisation and is timed
 with CUDA events (``--device cpu``: wall clock). Before timing, each variant
 round-trips once with identity experts: combine(dispatch(x)) must equal
 top_k * x up to bf16 rounding (``check``, largest error relative to max |top_k * x|
-on any rank); a failed check is reported, not fatal.
+on any rank; FP8 rows: up to e4m3 rounding, at most 2^-4 per value); a failed check
+is reported, not fatal.
 
 Ratios (time of the other / time of the row; > 1: the row is faster):
 ``x a2a`` and ``x dedup`` hold dispatch against the baseline's dispatch and
@@ -124,8 +133,10 @@ MODES = ("staged", "zero_copy", "auto")
 # that their numbers are printed (progress lines) whatever happens later.
 BACKENDS = ("all_to_all", "a2a_dedup", "reference", "nccl_ep", "nccl_ep_alone", "nccl_ep_flat")
 DEFAULT_BACKENDS = ["nccl_ep", "nccl_ep_alone", "all_to_all", "a2a_dedup"]
-OPS = ("prepare", "dispatch_op", "dispatch", "combine", "combine_copy")
+OPS = ("prepare", "quantize", "dispatch_op", "dispatch", "combine", "combine_copy")
 CHECK_TOLERANCE = 1e-2  # relative to max |top_k * x|; bf16 keeps 8 significant bits
+# FP8 rows: e4m3 keeps 4 significant bits (a rounding error of at most 2^-4), plus bf16's.
+CHECK_TOLERANCE_FP8 = 2**-4 + 1e-2
 
 
 @dataclass(frozen=True)
@@ -299,7 +310,7 @@ class TeEp(Variant):
     kind = "te_ep"
 
     def __init__(self, backend: str, requested_mode: str, suffix: str, shape: Shape, routing: Routing,
-                 capacity: int, alignment: int) -> None:
+                 capacity: int, alignment: int, dispatch_dtype: Optional[torch.dtype] = None) -> None:
         import te_ep_torch as te
 
         if backend == "nccl_ep" and routing.tokens.device.type != "cuda":
@@ -310,7 +321,8 @@ class TeEp(Variant):
                                 **mode_arg)
         try:
             self.handle = self.group.create_handle(
-                top_k=shape.top_k, hidden=shape.hidden, dtype=DTYPE, alignment=alignment, capacity=capacity
+                top_k=shape.top_k, hidden=shape.hidden, dtype=DTYPE, alignment=alignment, capacity=capacity,
+                dispatch_dtype=dispatch_dtype,
             )
         except Exception:
             # e.g. zero_copy where windows can't be had: every rank fails alike (the mode is agreed).
@@ -357,6 +369,39 @@ class TeEp(Variant):
         super().close()
         self.combine_buffer = None
         self.group.shutdown()
+
+
+class TeEpFp8(TeEp):
+    """te_ep_torch's FP8 dispatch (te.ep_dispatch_fp8) on a handle of the same configuration."""
+
+    kind = "te_ep-fp8"
+
+    def __init__(self, backend: str, requested_mode: str, suffix: str, shape: Shape, routing: Routing,
+                 capacity: int, alignment: int) -> None:
+        super().__init__(backend, requested_mode, suffix, shape, routing, capacity, alignment,
+                         dispatch_dtype=torch.float8_e4m3fn)
+        self.label = self.label.replace("te_ep/", "te_ep-fp8/", 1)
+        self.quantized = self.te.quantize_fp8(routing.tokens)
+
+    def dispatch(self) -> torch.Tensor:
+        r = self.routing
+        return self.te.ep_dispatch_fp8(self.handle, r.tokens, r.topk_idx, r.topk_weights).dequantize()
+
+    def dispatch_fp8(self):
+        r = self.routing
+        return self.te.ep_dispatch_fp8(self.handle, r.tokens, r.topk_idx, r.topk_weights)
+
+    def dispatch_op(self):
+        r, h = self.routing, self.handle
+        values, scales = self.quantized
+        return self.te.ops.dispatch_fp8(values, scales, r.topk_weights, h.handle_mem, self.group.group_name, h.id,
+                                        h.config.capacity)
+
+    def ops(self) -> Dict[str, Op]:
+        ops = super().ops()
+        ops["dispatch"] = Op(self.dispatch_fp8)
+        ops["quantize"] = Op(lambda: self.te.quantize_fp8(self.routing.tokens))
+        return ops
 
 
 class NcclEpAloneVariant(Variant):
@@ -534,6 +579,7 @@ class VariantSpec:
     mode: str = ""
     env_spec: str = "default"
     env: Dict[str, str] = field(default_factory=dict)
+    fp8: bool = False
 
     @property
     def suffix(self) -> str:
@@ -542,13 +588,14 @@ class VariantSpec:
     @property
     def label(self) -> str:
         """The row label, before a te_ep handle says which mode it runs in."""
+        prefix = "te_ep-fp8" if self.fp8 else "te_ep"
         if self.backend == "nccl_ep":
-            return f"te_ep/{self.mode}{self.suffix}"
+            return f"{prefix}/{self.mode}{self.suffix}"
         if self.backend == "nccl_ep_alone":
             return f"nccl.ep/{self.mode}{self.suffix}"
         if self.backend == "nccl_ep_flat":
             return f"nccl.ep-flat/{self.mode}{self.suffix}"
-        return "te_ep/reference" if self.backend == "reference" else self.backend
+        return f"{prefix}/reference" if self.backend == "reference" else self.backend
 
 
 def variant_specs(args) -> List[VariantSpec]:
@@ -558,8 +605,11 @@ def variant_specs(args) -> List[VariantSpec]:
     alone_modes = list(dict.fromkeys("zero_copy" if m == "auto" else m for m in args.modes))
     out = []
     for backend in (b for b in BACKENDS if b in args.backends):
+        fp8 = (False, True) if args.fp8 else (False,)
         if backend == "nccl_ep":
-            out += [VariantSpec(backend, mode, spec, env) for spec, env in envs for mode in args.modes]
+            out += [VariantSpec(backend, mode, spec, env, f) for spec, env in envs for mode in args.modes for f in fp8]
+        elif backend == "reference":
+            out += [VariantSpec(backend, fp8=f) for f in fp8]
         elif backend in ("nccl_ep_alone", "nccl_ep_flat"):
             out += [VariantSpec(backend, mode, spec, env) for spec, env in envs for mode in alone_modes]
         else:
@@ -605,7 +655,8 @@ def make_variant(spec: VariantSpec, shape: Shape, routing: Routing, capacity: in
             return NcclEpFlatVariant(spec.mode, spec.suffix, shape, routing, capacity, args.alignment)
         if spec.backend == "nccl_ep_alone":
             return NcclEpAloneVariant(spec.mode, spec.suffix, shape, routing, capacity, args.alignment)
-        return TeEp(spec.backend, spec.mode, spec.suffix, shape, routing, capacity, args.alignment)
+        make = TeEpFp8 if spec.fp8 else TeEp
+        return make(spec.backend, spec.mode, spec.suffix, shape, routing, capacity, args.alignment)
 
 
 def on_every_rank(what: Callable[[], object]) -> Tuple[object, str, bool]:
@@ -722,9 +773,10 @@ def table_rows(shape: Shape, results: List[Result], logical_bytes: float, remote
             return float("nan")
         return other.times[op] / t
 
-    kind_order = {"te_ep": 0, "nccl.ep": 1, "baseline": 2}
+    kind_order = {"te_ep": 0, "te_ep-fp8": 1, "nccl.ep": 2, "baseline": 3}
     rows = []
     for r in sorted(results, key=lambda r: kind_order[r.kind]):
+        bf16 = by_label.get(r.label.replace("te_ep-fp8/", "te_ep/", 1)) if r.kind == "te_ep-fp8" else None
         alone = None
         if r.kind == "te_ep" and r.mode in ("staged", "zero_copy"):
             alone = by_label.get(f"nccl.ep/{r.mode}" + ("" if r.env_spec == "default" else f"[{r.env_spec}]"))
@@ -733,8 +785,10 @@ def table_rows(shape: Shape, results: List[Result], logical_bytes: float, remote
                 continue
             t = r.times[op]
             base_op = "combine" if op == "combine_copy" else op
-            moves_tokens = op != "prepare"
+            moves_tokens = op not in ("prepare", "quantize")
             nvlink = remote_bytes / (t * 1e-3) / 1e9 if moves_tokens else float("nan")
+            # quantize: HBM bytes read (bf16) and written (e4m3 + a float32 per 128 values)
+            hbm = shape.tokens * shape.hidden * (2 + 1 + 4 / 128) / (t * 1e-3) / 1e9 if op == "quantize" else None
             rows.append({
                 "shape": shape.label(),
                 "variant": r.label,
@@ -743,7 +797,8 @@ def table_rows(shape: Shape, results: List[Result], logical_bytes: float, remote
                 "capacity": r.capacity,
                 "op": op,
                 "ms": t,
-                "logical_GBps": logical_bytes / (t * 1e-3) / 1e9 if moves_tokens else float("nan"),
+                "logical_GBps": hbm if hbm is not None else (logical_bytes / (t * 1e-3) / 1e9 if moves_tokens
+                                                             else float("nan")),
                 "nvlink_GBps": nvlink,
                 "pct_copy": 100.0 * nvlink / copy_gbps if copy_gbps else float("nan"),
                 "x_a2a": ratio(by_label.get("all_to_all"), base_op, t) if base_op in ("dispatch", "combine")
@@ -751,7 +806,9 @@ def table_rows(shape: Shape, results: List[Result], logical_bytes: float, remote
                 "x_dedup": ratio(by_label.get("a2a_dedup"), base_op, t) if base_op in ("dispatch", "combine")
                 else float("nan"),
                 "x_alone": ratio(alone, base_op, t),
+                "x_bf16": ratio(bf16, base_op, t) if op in ("dispatch_op", "dispatch") else float("nan"),
                 "check_rel_err": r.check,
+                "check_tolerance": CHECK_TOLERANCE_FP8 if r.kind == "te_ep-fp8" else CHECK_TOLERANCE,
             })
     return rows
 
@@ -764,7 +821,7 @@ def print_table(rows: List[Dict], skipped: List[Tuple[str, str]]) -> None:
     width = max([len("variant")] + [len(row["variant"]) for row in rows] + [len(label) for label, _ in skipped])
     header = (
         f"{'shape':<30} {'variant':<{width}} {'op':<12} {'ms':>8} {'logical GB/s':>13} {'NVLink GB/s':>12} "
-        f"{'% copy':>7} {'x a2a':>6} {'x dedup':>7} {'x alone':>7}"
+        f"{'% copy':>7} {'x a2a':>6} {'x dedup':>7} {'x alone':>7} {'x bf16':>6}"
     )
     print(header)
     print("-" * len(header))
@@ -772,12 +829,13 @@ def print_table(rows: List[Dict], skipped: List[Tuple[str, str]]) -> None:
         print(
             f"{row['shape']:<30} {row['variant']:<{width}} {row['op']:<12} {row['ms']:>8.3f} "
             f"{fmt(row['logical_GBps'], 13, 1)} {fmt(row['nvlink_GBps'], 12, 1)} {fmt(row['pct_copy'], 7, 1)} "
-            f"{fmt(row['x_a2a'], 6, 2)} {fmt(row['x_dedup'], 7, 2)} {fmt(row['x_alone'], 7, 2)}"
+            f"{fmt(row['x_a2a'], 6, 2)} {fmt(row['x_dedup'], 7, 2)} {fmt(row['x_alone'], 7, 2)} "
+            f"{fmt(row['x_bf16'], 6, 2)}"
         )
-    checks = dict.fromkeys((row["variant"], row["check_rel_err"]) for row in rows)
+    checks = dict.fromkeys((row["variant"], row["check_rel_err"], row["check_tolerance"]) for row in rows)
     print("check, combine(dispatch(x)) with identity experts vs top_k * x (largest error / max |top_k * x|):")
-    for label, err in checks:
-        print(f"  {label:<{width}} {'ok  ' if err <= CHECK_TOLERANCE else 'FAIL'} {err:.1e}")
+    for label, err, tolerance in checks:
+        print(f"  {label:<{width}} {'ok  ' if err <= tolerance else 'FAIL'} {err:.1e}")
     for label, reason in skipped:
         print(f"  {label:<{width}} not run: {reason}")
 
@@ -829,6 +887,8 @@ def main() -> None:
                         help="time te_ep and nccl.ep once per SPEC: 'default', or NAME=VALUE[,NAME=VALUE...] set "
                              "while their groups are created (e.g. NCCL_EP_COMM_SMS=32 or "
                              "NCCL_EP_HT_EM_LOCAL_DUP=1); rows are labelled te_ep/MODE[SPEC], nccl.ep/MODE[SPEC]")
+    parser.add_argument("--fp8", action="store_true",
+                        help="also time each te_ep row with FP8 dispatch (te_ep-fp8/MODE rows, quantize included)")
     parser.add_argument("--csv", help="also write the rows to this CSV file (rank 0), rewritten after each shape")
     args = parser.parse_args()
     if args.warmup < 0 or args.iters < 1:

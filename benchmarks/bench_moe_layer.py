@@ -13,6 +13,13 @@ experts with stacked weights, EP over all ranks) runs as
 * ``te_ep``   TeEpMoEBlock: ep_dispatch (zones aligned to --alignment), the
   grouped GEMM on the expert-major buffer, weights, ep_combine; once per
   --backend (``auto`` is nccl_ep on Hopper GPUs where NCCL EP loads);
+* ``te_ep-fp8`` (with --fp8) TeEpMoEBlock with FP8 dispatch: tokens quantized to
+  e4m3 with a float32 scale per 128 values, dispatched, dequantized before the
+  experts; combine and backward in --dtype. Verified against native with the FP8
+  tolerance (e4m3 keeps 4 significant bits);
+* ``te_ep-overlap`` (with --overlap) TeEpMoEBlock with dispatch and combine on a
+  communication stream and the shared expert (--shared-ffn) on the current stream
+  meanwhile (te_ep_torch.overlap); verified like ``te_ep``;
 * ``compute`` ComputeOnlyMoEBlock, after each te_ep block (unless
   --no-compute-only): the same router, experts and weighting with dispatch and
   combine replaced by local stand-ins of the same shapes (``te.permute`` of
@@ -98,6 +105,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # bf16: the native backward accumulates the gradient of the input in bf16
 # (index_select's backward), te_ep in float32; bugs give errors of order 1.
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+# FP8 dispatch feeds the experts values rounded to 4 significant bits (relative error at
+# most 2^-4, about 3.6% RMS); outputs and gradients then differ from native by a few percent.
+FP8_TOLERANCE = 0.08
 
 DEFAULTS = {
     # device: tokens, hidden, ffn, experts, top_k, dtype, warmup, iters
@@ -133,6 +143,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, help="timed steps per measurement (default 30; cpu 3)")
     parser.add_argument("--no-compute-only", action="store_true",
                         help="skip the compute-only stand-in of each te_ep block (and the exposed-comm line)")
+    parser.add_argument("--shared-ffn", type=int, default=0,
+                        help="inner width of a shared SwiGLU expert in every block (0: none)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="also time each te_ep block with dispatch/combine on a communication stream and the "
+                             "shared expert overlapping them (te_ep-overlap rows)")
+    parser.add_argument("--fp8", action="store_true",
+                        help="also time each te_ep block with FP8 dispatch (te_ep-fp8 rows)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--csv", help="also write the rows to this CSV file (rank 0)")
     args = parser.parse_args(argv)
@@ -241,13 +258,13 @@ def describe(args, world: int, device: torch.device, dtype: torch.dtype) -> str:
 
 
 def print_table(rows: List[Dict]) -> None:
-    header = (f"{'block':<7} {'backend':<10} {'gemm':<10} {'capacity':>9} {'fwd ms':>8} {'fwd+bwd ms':>11} "
+    header = (f"{'block':<13} {'backend':<10} {'gemm':<10} {'capacity':>9} {'fwd ms':>8} {'fwd+bwd ms':>11} "
               f"{'tokens/s/GPU':>13} {'x native':>9} {'fwd x':>6} {'step GiB':>9}")
     print(header)
     print("-" * len(header))
     for r in rows:
         peak = f"{r['step_GiB']:>9.2f}" if r["step_GiB"] is not None else f"{'-':>9}"
-        print(f"{r['block']:<7} {r['backend']:<10} {r['gemm']:<10} {str(r['capacity']):>9} {r['fwd_ms']:>8.3f} "
+        print(f"{r['block']:<13} {r['backend']:<10} {r['gemm']:<10} {str(r['capacity']):>9} {r['fwd_ms']:>8.3f} "
               f"{r['step_ms']:>11.3f} {r['tokens_per_s_per_gpu']:>13,.0f} {r['speedup']:>9.2f} "
               f"{r['fwd_speedup']:>6.2f} {peak}")
 
@@ -259,7 +276,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     dtype = DTYPES[args.dtype]
     if args.experts % world:
         raise SystemExit(f"--experts ({args.experts}) must be divisible by the number of ranks ({world})")
-    config = MoEConfig(hidden=args.hidden, ffn=args.ffn, num_experts=args.experts, top_k=args.top_k, dtype=dtype)
+    config = MoEConfig(hidden=args.hidden, ffn=args.ffn, num_experts=args.experts, top_k=args.top_k, dtype=dtype,
+                       shared_ffn=args.shared_ffn)
 
     gen = torch.Generator(device="cpu").manual_seed(10_000 + 7919 * args.seed + rank)
     x = torch.randn(args.tokens, args.hidden, generator=gen).to(device=device, dtype=dtype)
@@ -284,19 +302,27 @@ def main(argv: Optional[List[str]] = None) -> int:
             continue
         seen.add(group.backend)
         capacity = fit_capacity(native, x, args, group)
-        block = TeEpMoEBlock(config, group, alignment=args.alignment, capacity=capacity, gemm=args.gemm,
-                             seed=args.seed + 1)
-        copy_parameters(native, block)
-        label = f"te_ep[{group.backend}]"
-        if rank == 0:
-            print(f"\nverify {label} vs native (relative L2 tolerance {TOLERANCE[dtype]:g}, worst rank):", flush=True)
-        result = compare(reference, fwd_bwd(block, x, grad_out), device)
-        for name, (max_abs, rel) in result.items():
-            ok = rel <= TOLERANCE[dtype]
-            verify_ok &= ok
+        variants = [("te_ep", False, False)]
+        if args.overlap:
+            variants.append(("te_ep-overlap", False, True))
+        if args.fp8:
+            variants.append(("te_ep-fp8", True, False))
+        for name, fp8, overlap in variants:
+            block = TeEpMoEBlock(config, group, alignment=args.alignment, capacity=capacity, gemm=args.gemm,
+                                 seed=args.seed + 1, dispatch_dtype=torch.float8_e4m3fn if fp8 else None,
+                                 overlap=overlap)
+            copy_parameters(native, block)
+            tolerance = FP8_TOLERANCE if fp8 else TOLERANCE[dtype]
             if rank == 0:
-                print(f"  {name:<14} max|diff| {max_abs:.3e}  rel L2 {rel:.3e}  {'ok' if ok else 'MISMATCH'}")
-        blocks.append(("te_ep", group.backend, block, capacity))
+                print(f"\nverify {name}[{group.backend}] vs native (relative L2 tolerance {tolerance:g}, worst rank):",
+                      flush=True)
+            result = compare(reference, fwd_bwd(block, x, grad_out), device)
+            for what, (max_abs, rel) in result.items():
+                ok = rel <= tolerance
+                verify_ok &= ok
+                if rank == 0:
+                    print(f"  {what:<14} max|diff| {max_abs:.3e}  rel L2 {rel:.3e}  {'ok' if ok else 'MISMATCH'}")
+            blocks.append((name, group.backend, block, capacity))
         if not args.no_compute_only:
             stand_in = ComputeOnlyMoEBlock(config, ep_rank=rank, ep_size=world, device=device,
                                            alignment=args.alignment, capacity=capacity, gemm=args.gemm,
@@ -342,11 +368,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     compute = {row["backend"]: row for row in rows if row["block"] == "compute"}
     exposed = []
     for row in rows:
-        if row["block"] == "te_ep" and row["backend"] in compute:
+        if row["block"].startswith("te_ep") and row["backend"] in compute:
             base = compute[row["backend"]]
             row["exposed_comm_ms"] = row["step_ms"] - base["step_ms"]
             row["exposed_comm_fwd_ms"] = row["fwd_ms"] - base["fwd_ms"]
-            exposed.append(f"exposed comm [{row['backend']}]: fwd+bwd {row['step_ms']:.3f} - {base['step_ms']:.3f} "
+            exposed.append(f"exposed comm {row['block']}[{row['backend']}]: fwd+bwd {row['step_ms']:.3f} - {base['step_ms']:.3f} "
                            f"= {row['exposed_comm_ms']:.3f} ms ({100 * row['exposed_comm_ms'] / row['step_ms']:.1f}% "
                            f"of the step; layer / compute-only = {row['step_ms'] / base['step_ms']:.2f}x), "
                            f"fwd {row['exposed_comm_fwd_ms']:.3f} ms")
@@ -366,7 +392,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 writer.writeheader()
                 writer.writerows(rows)
     for name, _, block, _ in blocks[1:]:
-        if name == "te_ep":
+        if name == "te_ep":  # the other te_ep-* blocks share the group of the te_ep block before them
             block.group.shutdown()
     # Gloo aborts a rank whose peer tore its connections down first.
     dist.barrier()

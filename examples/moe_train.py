@@ -84,6 +84,7 @@ class Block(nn.Module):
             expert_bias=args.expert_bias,
             aux_loss_coef=args.aux_loss_coef,
             shared_expert_ffn_hidden=args.shared_expert_ffn,
+            dispatch_dtype="fp8" if args.fp8_dispatch else None,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -218,6 +219,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--expert-bias", action="store_true", help="aux-loss-free balancing bias, updated every step")
     p.add_argument("--aux-loss-coef", type=float, default=1e-2)
     p.add_argument("--shared-expert-ffn", type=int, default=0, help="inner width of a shared expert (0: none)")
+    p.add_argument("--fp8-dispatch", action="store_true",
+                   help="dispatch tokens to the experts as block-scaled FP8 (e4m3, a float32 scale per 128 values); "
+                        "needs --hidden a multiple of 128 (512 on nccl_ep)")
     p.add_argument("--ep", type=int, default=None, help="EP size (default: all ranks)")
     p.add_argument("--dp", type=int, default=None, help="FSDP size sharding the experts (default: world / ep)")
     p.add_argument("--lr", type=float, default=3e-3)
@@ -229,7 +233,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ckpt-dir", default=None, help="where to save the final checkpoint (default: a temp dir)")
     p.add_argument("--no-save", action="store_true", help="skip the final checkpoint")
     p.add_argument("--load", default=None, help="checkpoint directory to resume from")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.fp8_dispatch and args.hidden % 128:
+        p.error(f"--fp8-dispatch scales blocks of 128 values: --hidden must be a multiple of 128, got {args.hidden}")
+    return args
 
 
 def main() -> int:

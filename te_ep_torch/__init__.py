@@ -11,10 +11,11 @@ Quick start::
 
 from ._version import __version__
 from . import ops
-from .autograd import DispatchOutput, ep_combine, ep_dispatch
+from .autograd import DispatchOutput, Fp8DispatchOutput, ep_combine, ep_dispatch, ep_dispatch_fp8
 from .group import BACKENDS, EpGroup, EpHandle, HandleConfig
+from .ops import dequantize_fp8, quantize_fp8
 from . import permutation
-from . import moe, parallel
+from . import moe, overlap, parallel
 from .moe import GroupedExperts, MoE, RouterOutput, SwiGLU, TopKRouter
 from .parallel import (
     ExpertParallel,
@@ -45,6 +46,10 @@ __all__ = [
     "DispatchOutput",
     "ep_dispatch",
     "ep_combine",
+    "Fp8DispatchOutput",
+    "ep_dispatch_fp8",
+    "quantize_fp8",
+    "dequantize_fp8",
     "permutation",
     "PermuteMap",
     "permute",
@@ -54,6 +59,7 @@ __all__ = [
     "sort_chunks_by_map",
     "moe",
     "parallel",
+    "overlap",
     "MoE",
     "TopKRouter",
     "RouterOutput",

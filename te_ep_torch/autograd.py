@@ -23,7 +23,7 @@ from torch import Tensor
 from . import ops
 from .group import EpHandle
 
-__all__ = ["DispatchOutput", "ep_dispatch", "ep_combine"]
+__all__ = ["DispatchOutput", "Fp8DispatchOutput", "ep_dispatch", "ep_dispatch_fp8", "ep_combine"]
 
 
 # ---- communication ops: ep_dispatch / ep_combine -----------------------------------
@@ -130,6 +130,144 @@ def ep_dispatch(
     counts, total = handle.prepare(topk_idx) if prepared is None else prepared
     recv, weights = _Dispatch.apply(tokens, topk_weights, handle)
     return DispatchOutput(recv, weights, counts, total)
+
+
+class Fp8DispatchOutput(NamedTuple):
+    """What FP8 dispatch delivers: the received rows still quantized, and the way back.
+
+    Attributes:
+        values: ``[capacity, H]`` ``float8_e4m3fn`` received values, expert-major zones;
+            padding rows are zero.
+        scales: ``[capacity, H / 128]`` float32 scales of those rows (one per block of 128
+            values; ``row ~= values * scale``); 0 on padding rows.
+        weights, expert_counts, total: as in :class:`DispatchOutput`.
+        grad_sink: ``[capacity, H]`` of the handle's dtype, zero stride (no memory): the
+            path of the received rows' gradient back to the tokens. :meth:`dequantize`
+            uses it; an expert that consumes ``values`` and ``scales`` itself returns the
+            gradient of its input rows as the gradient of ``grad_sink``.
+    """
+
+    values: Tensor
+    scales: Tensor
+    weights: Tensor
+    expert_counts: Tensor
+    total: Tensor
+    grad_sink: Tensor
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> Tensor:
+        """The received rows, ``values * scale`` in ``dtype`` (default: the handle's dtype).
+
+        Differentiable: the gradient goes back to the dispatched tokens through the
+        handle's high-precision dispatch backward (straight through the quantization).
+        """
+        return _DequantizeRows.apply(self.values, self.scales, self.grad_sink,
+                                     self.grad_sink.dtype if dtype is None else dtype)
+
+
+class _DispatchFp8(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tokens: Tensor, scales: Optional[Tensor], topk_weights: Tensor, handle: EpHandle,
+                pow2_scales: bool):
+        values = tokens
+        if scales is None:
+            values, scales = ops.quantize_fp8(tokens, pow2_scales)
+        cfg = handle.config
+        recv_values, recv_scales, recv_weights = ops.dispatch_fp8(
+            values, scales, topk_weights, handle.handle_mem, handle.group.group_name, handle.id, cfg.capacity
+        )
+        sink = recv_weights.new_zeros((), dtype=cfg.dtype).expand(cfg.capacity, cfg.hidden)
+        ctx.mark_non_differentiable(recv_values, recv_scales)
+        ctx.set_materialize_grads(False)
+        ctx.handle = handle
+        ctx.generation = handle.generation
+        ctx.num_tokens = tokens.shape[0]
+        ctx.save_for_backward(handle.handle_mem)
+        return recv_values, recv_scales, recv_weights, sink
+
+    @staticmethod
+    def backward(ctx, _grad_values, _grad_scales, grad_weights: Optional[Tensor], grad_rows: Optional[Tensor]):
+        if grad_weights is None and grad_rows is None:
+            return None, None, None, None, None
+        handle: EpHandle = ctx.handle
+        if not torch.compiler.is_compiling():
+            _check_generation(handle, ctx.generation, "ep_dispatch_fp8")
+        (handle_mem,) = ctx.saved_tensors
+        cfg = handle.config
+        if grad_rows is None:
+            grad_rows = handle_mem.new_zeros((cfg.capacity, cfg.hidden), dtype=cfg.dtype)
+        if grad_weights is None:
+            grad_weights = handle_mem.new_zeros((cfg.capacity,), dtype=torch.float32)
+        grad_tokens, grad_topk_weights = ops.dispatch_bwd(
+            grad_rows.to(cfg.dtype).contiguous(),
+            grad_weights.contiguous(),
+            handle_mem,
+            handle.group.group_name,
+            handle.id,
+            ctx.num_tokens,
+            cfg.top_k,
+        )
+        return grad_tokens, None, grad_topk_weights, None, None
+
+
+class _DequantizeRows(torch.autograd.Function):
+    """``dequantize_fp8(values, scales)`` whose gradient is handed to ``sink``."""
+
+    @staticmethod
+    def forward(ctx, values: Tensor, scales: Tensor, sink: Tensor, dtype: torch.dtype) -> Tensor:
+        return ops.dequantize_fp8(values, scales, dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return None, None, grad, None
+
+
+def ep_dispatch_fp8(
+    handle: EpHandle,
+    tokens: Tensor,
+    topk_idx: Tensor,
+    topk_weights: Tensor,
+    prepared: Optional[Tuple[Tensor, Tensor]] = None,
+    *,
+    scales: Optional[Tensor] = None,
+    pow2_scales: bool = False,
+) -> Fp8DispatchOutput:
+    """Routes ``tokens [T, H]`` to their experts as block-scaled FP8 (collective).
+
+    Half the bytes of a bfloat16 dispatch cross the link. The handle must have been
+    created with ``dispatch_dtype=torch.float8_e4m3fn``.
+
+    Args:
+        handle: the layer's handle.
+        tokens: ``[T, H]`` in the handle's dtype, quantized here with
+            :func:`te_ep_torch.ops.quantize_fp8`; or, with ``scales``, values the caller
+            quantized already (``float8_e4m3fn``).
+        topk_idx, topk_weights, prepared: as in :func:`ep_dispatch`.
+        scales: ``[T, H / 128]`` float32 scales of pre-quantized ``tokens``; ``None``
+            quantizes here.
+        pow2_scales: quantize with power-of-two scales.
+
+    Returns:
+        :class:`Fp8DispatchOutput`. Gradients: ``topk_weights`` gets its gradient as with
+        :func:`ep_dispatch`; ``tokens`` (when not pre-quantized) gets the gradient of the
+        received rows (through :meth:`Fp8DispatchOutput.dequantize` or ``grad_sink``),
+        sent back in the handle's dtype.
+    """
+    cfg = handle.config
+    if cfg.dispatch_dtype != torch.float8_e4m3fn:
+        raise ValueError(
+            f"ep_dispatch_fp8: handle {handle.id} was created without FP8 dispatch; create it with "
+            "create_handle(..., dispatch_dtype=torch.float8_e4m3fn)"
+        )
+    if scales is None and tokens.dtype != cfg.dtype:
+        raise ValueError(
+            f"ep_dispatch_fp8: tokens must be {cfg.dtype} (the handle's dtype; they are quantized here) or "
+            f"torch.float8_e4m3fn with scales, got {tokens.dtype}"
+        )
+    if scales is not None and tokens.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"ep_dispatch_fp8: tokens given with scales must be torch.float8_e4m3fn, got {tokens.dtype}")
+    counts, total = handle.prepare(topk_idx) if prepared is None else prepared
+    values, recv_scales, weights, sink = _DispatchFp8.apply(tokens, scales, topk_weights, handle, pow2_scales)
+    return Fp8DispatchOutput(values, recv_scales, weights, counts, total, sink)
 
 
 def ep_combine(handle: EpHandle, expert_out: Tensor, num_tokens: int) -> Tensor:

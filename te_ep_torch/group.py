@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import os
 import warnings
@@ -53,6 +54,20 @@ def _default_device(pg: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
+def _timeout_ms(timeout, pg: dist.ProcessGroup, device: torch.device) -> int:
+    """NCCL EP's wait limit in ms: ``timeout``, else the process group's timeout, else 0
+    (NCCL EP's default) where the group does not expose one."""
+    if timeout is None:
+        try:
+            timeout = pg._get_backend(torch.device(device.type)).options._timeout
+        except (AttributeError, RuntimeError):
+            return 0
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    if not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(f"EpGroup: timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
+    return max(1, int(seconds * 1000))
+
+
 def _is_power_of_two(v: int) -> bool:
     return v > 0 and v & (v - 1) == 0
 
@@ -66,6 +81,9 @@ class HandleConfig:
     dtype: torch.dtype
     alignment: int
     capacity: int
+    # torch.float8_e4m3fn for a handle that also dispatches block-scaled FP8
+    # (ep_dispatch_fp8); combine and gradients stay in ``dtype``.
+    dispatch_dtype: Optional[torch.dtype] = None
 
 
 class EpGroup:
@@ -94,6 +112,11 @@ class EpGroup:
             every rank can allocate window memory, else staged, with a warning). Each
             handle reports the mode it runs in (:attr:`EpHandle.mode`). ``None`` reads
             ``$TE_EP_NCCL_EP_MODE``, default ``"staged"``.
+        timeout: ``nccl_ep`` only: how long NCCL EP's kernels wait for the other ranks
+            (a ``datetime.timedelta`` or seconds) before they give up, which ends the
+            process (docs/nccl_ep.md, "Timeouts"). ``None``: the process group's own
+            timeout, so a stalled rank is detected no later by NCCL EP than by torch's
+            collectives. ``$NCCL_EP_TIMEOUT_MS`` overrides either.
     """
 
     def __init__(
@@ -105,6 +128,7 @@ class EpGroup:
         backend: str = "auto",
         device: Optional[Union[torch.device, str]] = None,
         nccl_ep_mode: Optional[str] = None,
+        timeout: Union[None, float, datetime.timedelta] = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("EpGroup: torch.distributed is not initialized; call init_process_group first")
@@ -139,18 +163,19 @@ class EpGroup:
                 raise ValueError(f"EpGroup: backend 'nccl_ep' needs a CUDA device, got {dev}")
             if chosen == "nccl_ep":
                 _nccl_ep.load()
-            return chosen, mode, dev
+            return chosen, mode, dev, _timeout_ms(timeout, pg, dev)
 
         # Collective: every rank validates, then all agree (docs/ops.md, "Configuration
         # agreement"), so an error on one rank or a mismatch raises on every rank.
         result, error = _agreement.local_error(validated)
-        backend, nccl_ep_mode, dev = result if result is not None else (backend, nccl_ep_mode, None)
+        backend, nccl_ep_mode, dev, timeout_ms = result if result is not None else (backend, nccl_ep_mode, None, None)
         _agreement.agree(pg, "EpGroup", {
             "num_experts": num_experts,
             "max_tokens_per_rank": max_tokens_per_rank,
             "backend": backend,
             "nccl_ep_mode": nccl_ep_mode,
             "device type": dev.type if dev is not None else None,
+            "timeout_ms": timeout_ms,
         }, error)
 
         self.process_group = pg
@@ -163,6 +188,8 @@ class EpGroup:
         self.backend: str = backend
         self.device: torch.device = dev
         self.nccl_ep_mode: str = nccl_ep_mode
+        # NCCL EP's wait limit in ms (0: NCCL EP's own default); see the `timeout` argument.
+        self.timeout_ms: int = timeout_ms
         self._handles: "weakref.WeakValueDictionary[int, EpHandle]" = weakref.WeakValueDictionary()
         self._closed = False
 
@@ -222,6 +249,7 @@ class EpGroup:
         dtype: torch.dtype = torch.bfloat16,
         alignment: int = 1,
         capacity: Optional[int] = None,
+        dispatch_dtype: Optional[torch.dtype] = None,
     ) -> "EpHandle":
         """Creates the handle of one MoE layer.
 
@@ -233,6 +261,10 @@ class EpGroup:
                 the grouped GEMM after dispatch needs.
             capacity: rows of the receive buffer; ``None`` means
                 :meth:`worst_case_capacity`. A step that needs more raises on every rank.
+            dispatch_dtype: ``torch.float8_e4m3fn`` lets the handle dispatch block-scaled
+                FP8 rows as well (:func:`te_ep_torch.ep_dispatch_fp8`; ``hidden`` a multiple
+                of 128, of 512 on ``nccl_ep``); combine and all gradients stay in ``dtype``.
+                ``None``: ``dtype`` dispatch only.
         """
         self.check_open()
 
@@ -245,6 +277,16 @@ class EpGroup:
                 raise ValueError(f"create_handle: dtype must be one of {_DTYPES}, got {dtype}")
             if not isinstance(alignment, int) or not _is_power_of_two(alignment):
                 raise ValueError(f"create_handle: alignment must be a power of two, got {alignment!r}")
+            if dispatch_dtype is not None:
+                if dispatch_dtype != torch.float8_e4m3fn:
+                    raise ValueError(
+                        f"create_handle: dispatch_dtype must be None or torch.float8_e4m3fn, got {dispatch_dtype}"
+                    )
+                if hidden % ops.FP8_BLOCK:
+                    raise ValueError(
+                        f"create_handle: FP8 dispatch scales blocks of {ops.FP8_BLOCK} values, so hidden must be a "
+                        f"multiple of {ops.FP8_BLOCK}, got hidden={hidden}"
+                    )
             if capacity is None:
                 return self.worst_case_capacity(top_k, alignment)
             if not isinstance(capacity, int) or capacity <= 0:
@@ -255,10 +297,11 @@ class EpGroup:
         fitted, error = _agreement.local_error(validated)
         _agreement.agree(self.process_group, "create_handle", {
             "top_k": top_k, "hidden": hidden, "dtype": dtype, "alignment": alignment,
-            "capacity": fitted if fitted is not None else capacity,
+            "capacity": fitted if fitted is not None else capacity, "dispatch_dtype": dispatch_dtype,
         }, error)
         capacity = fitted
-        cfg = HandleConfig(top_k=top_k, hidden=hidden, dtype=dtype, alignment=alignment, capacity=capacity)
+        cfg = HandleConfig(top_k=top_k, hidden=hidden, dtype=dtype, alignment=alignment, capacity=capacity,
+                           dispatch_dtype=dispatch_dtype)
         handle = EpHandle(self, cfg)
         self._handles[handle.id] = handle
         return handle
@@ -313,6 +356,8 @@ class EpHandle:
             config.dtype,
             group.device,
             group.nccl_ep_mode,
+            config.dispatch_dtype,
+            group.timeout_ms,
         )
         self._generation = 0
         self._alive = True

@@ -15,14 +15,16 @@ Output shapes never depend on routing values: the layer traces under
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .autograd import ep_combine, ep_dispatch
+from .autograd import ep_combine, ep_dispatch, ep_dispatch_fp8
 from .group import EpGroup, EpHandle
+from .ops import FP8_BLOCK, dequantize_fp8, quantize_fp8
+from .overlap import comm_stream_for
 from .permutation import permute, unpermute, worst_case_capacity
 
 __all__ = [
@@ -403,6 +405,21 @@ class MoE(nn.Module):
         alignment: per-expert zone alignment in rows (power of two); ``None`` picks
             :data:`GROUPED_MM_ALIGNMENT` where the experts run ``torch._grouped_mm``
             and 1 elsewhere.
+        dispatch_dtype: ``None`` dispatches tokens in their own dtype; ``"fp8"`` (or
+            ``torch.float8_e4m3fn``) sends them as block-scaled e4m3 with float32 scales
+            (:func:`te_ep_torch.ep_dispatch_fp8`, half the bytes of bfloat16). Only the
+            forward dispatch is quantized: the experts dequantize the received rows into
+            their bfloat16 grouped GEMM (torch 2.11's FP8 grouped GEMM takes one scale per
+            row on Hopper, not one per 128 values), and combine and every gradient stay in
+            the tokens' dtype. Without expert parallelism nothing is dispatched, but the
+            experts see the same FP8 round trip of the tokens, so results do not depend
+            on the EP size. ``hidden`` must be a multiple of 128 (512 on ``nccl_ep``).
+        overlap: with expert parallelism on CUDA, run dispatch and combine on a
+            communication stream (:mod:`te_ep_torch.overlap`) and the shared expert on the
+            current stream meanwhile, forward and backward. Same results as without it
+            (the same kernels on the same data; only their timing changes). Sequential
+            under ``torch.compile``, during CUDA graph capture and on CPU. Off by default
+            until measured on GPUs (docs/moe.md, "Overlap").
         dtype, device: of the expert and shared-expert weights; the router weight is
             float32.
         **router_options: the router's options, passed to :class:`TopKRouter`: any of
@@ -425,12 +442,20 @@ class MoE(nn.Module):
         shared_expert_ffn_hidden: int = 0,
         expert_impl: str = "auto",
         alignment: Optional[int] = None,
+        dispatch_dtype: Union[None, str, torch.dtype] = None,
+        overlap: bool = False,
         dtype: torch.dtype = torch.float32,
         device=None,
         **router_options,
     ) -> None:
         super().__init__()
         _check_router_options(router_options)
+        if dispatch_dtype not in (None, "fp8", torch.float8_e4m3fn):
+            raise ValueError(f"MoE: dispatch_dtype must be None, 'fp8' or torch.float8_e4m3fn, got {dispatch_dtype!r}")
+        if dispatch_dtype is not None and hidden % FP8_BLOCK:
+            raise ValueError(f"MoE: FP8 dispatch needs hidden to be a multiple of {FP8_BLOCK}, got hidden={hidden}")
+        self.dispatch_dtype: Optional[torch.dtype] = None if dispatch_dtype is None else torch.float8_e4m3fn
+        self.overlap = bool(overlap)
         if alignment is not None and (alignment <= 0 or alignment & (alignment - 1)):
             raise ValueError(f"MoE: alignment must be a power of two, got {alignment}")
         self.hidden = hidden
@@ -508,18 +533,20 @@ class MoE(nn.Module):
             dtype=dtype,
             alignment=self.zone_alignment(ep_group.device, dtype),
             capacity=capacity,
+            dispatch_dtype=self.dispatch_dtype,
         )
 
     def forward(self, x: Tensor, return_aux_loss: bool = False):
         shape = x.shape
         tokens = x.reshape(-1, self.hidden)
+        shared = None
         if self._ep_group is None:
             routing = self.router(tokens)
             y = self._experts_local(tokens, routing)
         else:
-            routing, y = self._experts_ep(tokens)
+            routing, y, shared = self._experts_ep(tokens)
         if self.shared_expert is not None:
-            y = y + self.shared_expert(tokens)
+            y = y + (self.shared_expert(tokens) if shared is None else shared)
         self.aux_loss = routing.aux_loss
         y = y.reshape(shape)
         return (y, routing.aux_loss) if return_aux_loss else y
@@ -532,7 +559,7 @@ class MoE(nn.Module):
         alignment = self.zone_alignment(tokens.device, tokens.dtype)
         capacity = worst_case_capacity(tokens.shape[0], self.top_k, self.num_experts, alignment)
         rows, row_weights, perm_map = permute(
-            tokens,
+            _Fp8RoundTrip.apply(tokens) if self.dispatch_dtype is not None else tokens,
             routing.topk_idx,
             routing.topk_weights,
             num_experts=self.num_experts,
@@ -542,7 +569,9 @@ class MoE(nn.Module):
         y = self._weighted_experts(rows, row_weights, perm_map.expert_counts)
         return unpermute(y, perm_map)
 
-    def _experts_ep(self, tokens: Tensor) -> Tuple[RouterOutput, Tensor]:
+    def _experts_ep(self, tokens: Tensor) -> Tuple[RouterOutput, Tensor, Optional[Tensor]]:
+        """(routing, combined expert output, the shared expert's output where it ran
+        overlapped with the dispatch, else None)."""
         handle = self._handles.get(tokens.dtype)
         if handle is None:
             raise RuntimeError(
@@ -551,15 +580,36 @@ class MoE(nn.Module):
             )
         prepared = []
         routing = self.router(tokens, on_select=lambda topk_idx: prepared.append(handle.prepare(topk_idx)))
-        out = ep_dispatch(handle, tokens, routing.topk_idx, routing.topk_weights, prepared=prepared[0])
-        y = self.experts(out.tokens, out.expert_counts)
+        comm = comm_stream_for(tokens.device) if self.overlap else None
+
+        def dispatch():
+            if self.dispatch_dtype is not None:
+                return ep_dispatch_fp8(handle, tokens, routing.topk_idx, routing.topk_weights, prepared=prepared[0])
+            return ep_dispatch(handle, tokens, routing.topk_idx, routing.topk_weights, prepared=prepared[0])
+
+        shared = None
+        if comm is None:
+            out = dispatch()
+        else:
+            # The shared expert runs on the current stream while the dispatch runs on the
+            # communication stream (and, in backward, while dispatch_bwd does).
+            out = comm.launch(dispatch, (tokens, routing.topk_weights))
+            if self.shared_expert is not None:
+                shared = self.shared_expert(tokens)
+            comm.join(out)
+        rows = out.dequantize(tokens.dtype) if self.dispatch_dtype is not None else out.tokens
+        y = self.experts(rows, out.expert_counts)
         if handle.mode == "zero_copy" and not torch.compiler.is_compiling():
             # The weighting writes straight into the window combine reads. Under
             # torch.compile the plain expression runs and combine copies it in.
             y = _WeightedIntoBuffer.apply(y, out.weights, handle)
         else:
             y = (y.float() * out.weights.unsqueeze(1)).to(y.dtype)
-        return routing, ep_combine(handle, y, tokens.shape[0])
+        if comm is None:
+            return routing, ep_combine(handle, y, tokens.shape[0]), shared
+        combined = comm.launch(lambda: ep_combine(handle, y, tokens.shape[0]), (y,))
+        comm.join((combined,))
+        return routing, combined, shared
 
     @torch.no_grad()
     def update_expert_bias(self) -> Optional[Tensor]:
@@ -575,7 +625,23 @@ class MoE(nn.Module):
         self.router.reset_expert_load()
 
     def extra_repr(self) -> str:
-        return f"ep_size={self.ep_size}"
+        fp8 = ", dispatch_dtype=fp8" if self.dispatch_dtype is not None else ""
+        overlap = ", overlap=True" if self.overlap else ""
+        return f"ep_size={self.ep_size}{fp8}{overlap}"
+
+
+class _Fp8RoundTrip(torch.autograd.Function):
+    """``dequantize_fp8(quantize_fp8(x))``, straight through in backward: what the experts
+    of an FP8-dispatch layer see when nothing is dispatched (no expert parallelism)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        values, scales = quantize_fp8(x)
+        return dequantize_fp8(values, scales, x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad
 
 
 class _WeightedIntoBuffer(torch.autograd.Function):

@@ -30,10 +30,17 @@ __all__ = [
     "worst_case_capacity",
     "prepare",
     "dispatch",
+    "dispatch_fp8",
     "combine",
     "dispatch_bwd",
     "combine_bwd",
+    "quantize_fp8",
+    "dequantize_fp8",
+    "FP8_BLOCK",
 ]
+
+# FP8 dispatch and the quantize ops scale blocks of this many values of a row.
+FP8_BLOCK = 128
 
 
 # ---- typed wrappers: communication ops ---------------------------------------------
@@ -51,11 +58,13 @@ def create_handle(
     dtype: torch.dtype,
     device: torch.device,
     nccl_ep_mode: str = "staged",
+    dispatch_dtype: Optional[torch.dtype] = None,
+    timeout_ms: int = 0,
 ) -> Tuple[int, Tensor]:
     """Registers a per-layer handle; returns ``(handle_id, handle_mem)``."""
     return torch.ops.te_ep.create_handle(
         group_name, backend, num_experts, max_tokens_per_rank, top_k, hidden, capacity, alignment, dtype, device,
-        nccl_ep_mode,
+        nccl_ep_mode, dispatch_dtype, timeout_ms,
     )
 
 
@@ -100,6 +109,14 @@ def dispatch(
     return torch.ops.te_ep.dispatch(tokens, topk_weights, handle_mem, group_name, handle_id, capacity)
 
 
+def dispatch_fp8(
+    values: Tensor, scales: Tensor, topk_weights: Tensor, handle_mem: Tensor, group_name: str, handle_id: int,
+    capacity: int,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """FP8 dispatch: ``(recv_values [capacity, H] e4m3, recv_scales [capacity, H / 128] f32, recv_weights)``."""
+    return torch.ops.te_ep.dispatch_fp8(values, scales, topk_weights, handle_mem, group_name, handle_id, capacity)
+
+
 def combine(expert_out: Tensor, handle_mem: Tensor, group_name: str, handle_id: int, num_tokens: int) -> Tensor:
     """Returns expert outputs to their tokens and sums them: ``[num_tokens, H]``."""
     return torch.ops.te_ep.combine(expert_out, handle_mem, group_name, handle_id, num_tokens)
@@ -123,6 +140,21 @@ def dispatch_bwd(
 def combine_bwd(grad_out: Tensor, handle_mem: Tensor, group_name: str, handle_id: int, capacity: int) -> Tensor:
     """Backward of combine: ``[capacity, H]``, each slot receiving its token's gradient."""
     return torch.ops.te_ep.combine_bwd(grad_out, handle_mem, group_name, handle_id, capacity)
+
+
+def quantize_fp8(x: Tensor, pow2_scales: bool = False) -> Tuple[Tensor, Tensor]:
+    """Block-scaled e4m3: ``x [T, H]`` -> ``(values [T, H] float8_e4m3fn, scales [T, H / 128] float32)``.
+
+    ``x ~= values * scale`` per block of 128 values of a row; ``pow2_scales`` makes every
+    scale a power of two. The exact rules (zero and non-finite blocks, rounding) are in
+    docs/ops.md, "FP8", and :mod:`te_ep_torch.testing.fp8_reference`.
+    """
+    return torch.ops.te_ep.quantize_fp8(x, pow2_scales)
+
+
+def dequantize_fp8(values: Tensor, scales: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``values * scale`` per block of 128, computed in float32 and returned in ``dtype``."""
+    return torch.ops.te_ep.dequantize_fp8(values, scales, dtype)
 
 
 # ---- fake kernels: communication ops ----------------------------------------------
@@ -167,6 +199,23 @@ def _dispatch_fake(tokens, topk_weights, handle_mem, group_name, handle_id, capa
     recv = tokens.new_empty((capacity, tokens.shape[1]))
     weights = tokens.new_empty((capacity,), dtype=torch.float32)
     return recv, weights
+
+
+@torch.library.register_fake("te_ep::dispatch_fp8")
+def _dispatch_fp8_fake(values, scales, topk_weights, handle_mem, group_name, handle_id, capacity):
+    if _misrouted(handle_mem):
+        return _real_kernel(torch.ops.te_ep.dispatch_fp8, handle_mem, values, scales, topk_weights, handle_mem,
+                            group_name, handle_id, capacity)
+    op = "te_ep.dispatch_fp8"
+    _check(values.dim() == 2, f"{op}: values must be 2-D, got {values.dim()}-D")
+    _check(values.dtype == torch.float8_e4m3fn, f"{op}: values must be torch.float8_e4m3fn, got {values.dtype}")
+    _check(scales.dim() == 2 and scales.dtype == torch.float32, f"{op}: scales must be float32 [T, H / {FP8_BLOCK}]")
+    _check(topk_weights.dtype == torch.float32, f"{op}: topk_weights must be float32, got {topk_weights.dtype}")
+    return (
+        values.new_empty((capacity, values.shape[1])),
+        scales.new_empty((capacity, scales.shape[1])),
+        scales.new_empty((capacity,)),
+    )
 
 
 @torch.library.register_fake("te_ep::combine")
@@ -337,3 +386,33 @@ def _sort_chunks_by_map_fake(input, row_map, probs, inverse):
     if probs is not None:
         _check_probs(op, "probs", probs, (num_rows,))
     return torch.empty_like(input), _probs_like(input, num_rows if probs is not None else 0)
+
+
+# ---- fake kernels: FP8 quantization ----------------------------------------------
+
+
+def _check_fp8_rows(op: str, name: str, t: Tensor) -> None:
+    _check(t.dim() == 2, f"{op}: {name} must be 2-D [T, H], got shape {tuple(t.shape)}")
+    _check(t.shape[1] % FP8_BLOCK == 0,
+           f"{op}: {name}.size(1) (H) must be a multiple of the block size {FP8_BLOCK}, got H = {t.shape[1]}")
+
+
+@torch.library.register_fake("te_ep::quantize_fp8")
+def _quantize_fp8_fake(x, pow2_scales=False):
+    op = "te_ep.quantize_fp8"
+    _check(x.dtype in _ROW_DTYPES, f"{op}: x must be torch.bfloat16, torch.float16 or torch.float32, got {x.dtype}")
+    _check_fp8_rows(op, "x", x)
+    return (x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
+            x.new_empty((x.shape[0], x.shape[1] // FP8_BLOCK), dtype=torch.float32))
+
+
+@torch.library.register_fake("te_ep::dequantize_fp8")
+def _dequantize_fp8_fake(values, scales, dtype):
+    op = "te_ep.dequantize_fp8"
+    _check(values.dtype == torch.float8_e4m3fn, f"{op}: values must be torch.float8_e4m3fn, got {values.dtype}")
+    _check_fp8_rows(op, "values", values)
+    _check(scales.dtype == torch.float32, f"{op}: scales must be torch.float32, got {scales.dtype}")
+    _check(scales.dim() == 2 and scales.shape[0] == values.shape[0] and scales.shape[1] == values.shape[1] // FP8_BLOCK,
+           f"{op}: scales must have shape [{values.shape[0]}, {values.shape[1] // FP8_BLOCK}], got {tuple(scales.shape)}")
+    _check(dtype in _ROW_DTYPES, f"{op}: dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype}")
+    return values.new_empty(values.shape, dtype=dtype)

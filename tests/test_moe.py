@@ -88,15 +88,20 @@ def reference_router(router: TopKRouter, x):
     return idx, w * router.route_scale, scores
 
 
-def reference_moe(moe: MoE, x):
-    """Every expert on every token, masked by the routing: no permutation, no communication."""
+def reference_moe(moe: MoE, x, expert_input=None):
+    """Every expert on every token, masked by the routing: no permutation, no communication.
+
+    ``expert_input`` (default ``x``) is what the experts see, e.g. the FP8 round trip of
+    ``x``; the router and the shared expert always see ``x``.
+    """
     tokens = x.reshape(-1, moe.hidden)
+    inp = tokens if expert_input is None else expert_input.reshape(-1, moe.hidden)
     idx, w, _ = reference_router(moe.router, tokens)
     ex = moe.experts
     out = torch.zeros_like(tokens, dtype=torch.float32)
     for e in range(moe.num_experts):
         gate = (w * (idx == e)).sum(-1, keepdim=True)
-        out = out + gate * swiglu(tokens, ex.w_gate[e], ex.w_up[e], ex.w_down[e]).float()
+        out = out + gate * swiglu(inp, ex.w_gate[e], ex.w_up[e], ex.w_down[e]).float()
     out = out.to(x.dtype)
     if moe.shared_expert is not None:
         out = out + moe.shared_expert(tokens)
@@ -673,6 +678,226 @@ def test_dcp_round_trip_across_ep_sizes():
 def test_dcp_round_trip_ep2_to_ep1():
     # EP=2 -> dp 2 (EP=1: every rank holds all experts).
     _launch("_worker_dcp", 2, layouts=[[(1, 2), (2, 1)]])
+
+
+# ---- FP8 dispatch -----------------------------------------------------------------------------
+
+# Relative error (Frobenius) of the FP8-dispatch layer's output against the same layer with a
+# plain dispatch: e4m3 keeps 3 mantissa bits, a rounding error of at most 2^-4 of each value
+# (about 2^-4 / sqrt(3) = 3.6% RMS for uniformly spread mantissas), which the experts' sums
+# average down; 0.05 leaves headroom. Measured on CPU: about 0.02.
+FP8_LAYER_REL_ERROR = 0.05
+
+
+def _worker_fp8_dispatch(dtype: str = "float32", compile: bool = False) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import te_ep_torch as te
+    from te_ep_torch.parallel import ExpertParallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device, dt = _device(), getattr(torch, dtype)
+    hidden = 512  # a multiple of 512: what nccl_ep's FP8 dispatch needs
+    kw = dict(seed=3, hidden=hidden, ffn=32, experts=8, top_k=2, shared_expert_ffn_hidden=16, dtype=dt)
+    counts = [5 + 4 * r for r in range(world)]
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
+    fp8 = make_moe(dispatch_dtype="fp8", **kw).to(device)
+    plain = make_moe(**kw).to(device)
+    ref = copy.deepcopy(plain)
+    for m in (fp8, plain):
+        parallelize_module(m, mesh, ExpertParallel(max_tokens_per_rank=max(counts), backend=_backend()))
+    g = torch.Generator().manual_seed(11)
+    x_all = torch.randn(sum(counts), hidden, generator=g).to(device, dt)
+    grad_all = torch.randn(sum(counts), hidden, generator=g).to(device, dt)
+    lo, hi = sum(counts[:rank]), sum(counts[: rank + 1])
+
+    def run(model, steps=1):
+        for step in range(steps):
+            x = x_all[lo:hi].clone().requires_grad_(True)
+            y = model(x)
+            y.backward(grad_all[lo:hi])
+        return y.detach(), x.grad
+
+    if compile:
+        eager = run(fp8, 2)
+        fp8_c = make_moe(dispatch_dtype="fp8", **kw).to(device)
+        parallelize_module(fp8_c, mesh, ExpertParallel(max_tokens_per_rank=max(counts), backend=_backend()))
+        got = run(fresh_compile(fp8_c), 2)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, dict(torch._dynamo.utils.counters["stats"])
+        assert_close(got[0], eager[0], "compiled output", dt)
+        assert_close(got[1], eager[1], "compiled input grad", dt)
+        return
+
+    y, gx = run(fp8)
+    # The FP8 layer is the dense reference whose experts see the FP8 round trip of x
+    # (straight through in backward); router and shared expert see x itself.
+    x_ref = x_all.clone().requires_grad_(True)
+    q, scales = te.quantize_fp8(x_ref.detach())
+    x_q = x_ref + (te.dequantize_fp8(q, scales, dt) - x_ref).detach()
+    y_ref = reference_moe(ref, x_ref, expert_input=x_q)
+    y_ref.backward(grad_all)
+    assert_close(y, y_ref[lo:hi].detach(), "output", dt)
+    assert_close(gx, x_ref.grad[lo:hi], "input grad", dt)
+    ref_params = dict(ref.named_parameters())
+    for name, p in fp8.named_parameters():
+        if isinstance(p, DTensor):
+            e_local = 8 // world
+            assert_close(p.grad.to_local(), ref_params[name].grad[rank * e_local : (rank + 1) * e_local], name, dt)
+        else:
+            grad = p.grad.clone()
+            dist.all_reduce(grad)
+            assert_close(grad, ref_params[name].grad, name, dt)
+    # Against the plain dispatch: the error FP8 costs.
+    y_plain, _ = run(plain)
+    err = torch.tensor([float((y - y_plain).float().square().sum()), float(y_plain.float().square().sum())],
+                       device=device, dtype=torch.float64)
+    dist.all_reduce(err)
+    rel = float(err[0].sqrt() / err[1].sqrt())
+    print(f"rank {rank}: FP8 dispatch vs plain: relative output error {rel:.4f}", flush=True)
+    assert 0 < rel <= FP8_LAYER_REL_ERROR, f"FP8 dispatch layer differs from the plain one by {rel:.4f}"
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_fp8_dispatch_layer_matches_quantized_reference(nprocs):
+    _launch("_worker_fp8_dispatch", nprocs)
+
+
+def test_fp8_dispatch_layer_compiles_fullgraph():
+    _launch("_worker_fp8_dispatch", 2, timeout=300, compile=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp8_dispatch_layer_gpu(dtype):
+    _need_gpus(2)
+    _launch("_worker_fp8_dispatch", 2, timeout=300, device="cuda", dtype=dtype)
+
+
+def test_fp8_dispatch_without_expert_parallel_rounds_the_expert_inputs():
+    """EP size 1 dispatches nothing, but the experts see the same FP8 round trip as with EP."""
+    import te_ep_torch as te
+
+    moe = make_moe(seed=4, hidden=256, ffn=32, dispatch_dtype="fp8", shared_expert_ffn_hidden=8)
+    ref = copy.deepcopy(moe)
+    x = torch.randn(10, 256, generator=torch.Generator().manual_seed(2)).requires_grad_(True)
+    grad = torch.randn(10, 256, generator=torch.Generator().manual_seed(3))
+    moe(x).backward(grad)
+    x_ref = x.detach().clone().requires_grad_(True)
+    q, scales = te.quantize_fp8(x_ref.detach())
+    x_q = x_ref + (te.dequantize_fp8(q, scales) - x_ref).detach()
+    y_ref = reference_moe(ref, x_ref, expert_input=x_q)
+    y_ref.backward(grad)
+    assert_close(moe(x).detach(), y_ref.detach(), "output")
+    assert_close(x.grad, x_ref.grad, "input grad")
+    for (name, p), (_, p_ref) in zip(moe.named_parameters(), ref.named_parameters()):
+        assert_close(p.grad, p_ref.grad, name)
+    plain = copy.deepcopy(ref)
+    plain.dispatch_dtype = None
+    rel = float((moe(x) - plain(x)).norm() / plain(x).norm())
+    assert 0 < rel <= FP8_LAYER_REL_ERROR, rel
+
+
+def test_fp8_dispatch_option_errors():
+    with pytest.raises(ValueError, match="dispatch_dtype must be None, 'fp8' or torch.float8_e4m3fn"):
+        MoE(256, 32, 8, 2, dispatch_dtype="int8")
+    with pytest.raises(ValueError, match="multiple of 128, got hidden=200"):
+        MoE(200, 32, 8, 2, dispatch_dtype="fp8")
+
+
+# ---- overlap: communication on a side stream -----------------------------------------------------
+
+
+def _worker_overlap(dtype: str = "float32", fp8: bool = False, stress: bool = False) -> None:
+    """The overlapped layer (dispatch/combine on the communication stream, the shared expert
+    on the current one) gives bitwise the sequential layer's output and gradients, step after
+    step with varying token counts. ``stress`` (GPU): every launch on the communication
+    stream first sleeps there (~1 ms), so reading a dispatch or combine output before the
+    join, or a tensor whose memory was handed on early, would change the results."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from te_ep_torch import overlap
+    from te_ep_torch.parallel import ExpertParallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device, dt = _device(), getattr(torch, dtype)
+    hidden = 512 if fp8 else 64
+    kw = dict(seed=6, hidden=hidden, ffn=96, experts=8, top_k=2, shared_expert_ffn_hidden=128, dtype=dt,
+              dispatch_dtype="fp8" if fp8 else None)
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
+    layers = []
+    for ov in (False, True):
+        m = make_moe(overlap=ov, **kw).to(device)
+        parallelize_module(m, mesh, ExpertParallel(max_tokens_per_rank=64, backend=_backend()))
+        layers.append(m)
+    if device.type == "cpu":
+        # No streams on CPU: a stand-in that runs the work at once takes the overlapped
+        # control flow (shared expert between launch and join, combine launched), which
+        # must give the sequential layer's results.
+        import te_ep_torch.moe as moe_module
+
+        class InlineStream:
+            launches = 0
+
+            def launch(self, fn, inputs):
+                InlineStream.launches += 1
+                assert all(t is None or isinstance(t, torch.Tensor) for t in inputs)
+                return fn()
+
+            def join(self, outputs):
+                assert all(t is None or isinstance(t, torch.Tensor) for t in outputs)
+
+        moe_module.comm_stream_for = lambda dev: InlineStream()
+    if stress:
+        launch = overlap.CommStream.launch
+
+        def slow_launch(self, fn, inputs):
+            def delayed():
+                torch.cuda._sleep(2_000_000)
+                return fn()
+            return launch(self, delayed, inputs)
+
+        overlap.CommStream.launch = slow_launch
+    results = []
+    for model in layers:
+        outs = []
+        for step in range(4):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            x = torch.randn(20 + 9 * step + 3 * rank, hidden, generator=g).to(device, dt).requires_grad_(True)
+            y = model(x)
+            (y.float().square().sum() + y.float().sum()).backward()
+            outs.append((y.detach().clone(), x.grad.clone()))
+        grads = {n: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone()
+                 for n, p in model.named_parameters()}
+        results.append((outs, grads))
+    (seq_outs, seq_grads), (ov_outs, ov_grads) = results
+    for step, ((y_s, gx_s), (y_o, gx_o)) in enumerate(zip(seq_outs, ov_outs)):
+        assert torch.equal(y_s, y_o), f"step {step}: output differs with overlap"
+        assert torch.equal(gx_s, gx_o), f"step {step}: input grad differs with overlap"
+    for name in seq_grads:
+        assert torch.equal(seq_grads[name], ov_grads[name]), f"{name}: grad differs with overlap"
+    if device.type == "cuda":
+        assert layers[1].overlap and overlap.comm_stream_for(device) is not None
+    else:
+        assert InlineStream.launches == 2 * 4, InlineStream.launches  # dispatch and combine, 4 steps
+        assert overlap.comm_stream_for(device) is None
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_overlap_layer_matches_sequential(fp8):
+    """On CPU: the overlapped control flow with work run at once (see the worker)."""
+    _launch("_worker_overlap", 2, fp8=fp8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,fp8,stress", [("float32", False, True), ("bfloat16", False, True),
+                                              ("bfloat16", True, True), ("bfloat16", False, False)])
+def test_overlap_layer_matches_sequential_gpu(dtype, fp8, stress):
+    _need_gpus(2)
+    _launch("_worker_overlap", 2, timeout=300, device="cuda", dtype=dtype, fp8=fp8, stress=stress)
 
 
 # ---- compile with expert parallelism ----------------------------------------------------------

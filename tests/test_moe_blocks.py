@@ -317,7 +317,18 @@ def test_bench_moe_layer_cpu(tmp_path):
     te_ep, compute = rows[1], rows[2]
     exposed = float(te_ep["exposed_comm_ms"])
     assert abs(exposed - (float(te_ep["step_ms"]) - float(compute["step_ms"]))) < 1e-9
-    assert f"exposed comm [reference]: fwd+bwd {float(te_ep['step_ms']):.3f} - {float(compute['step_ms']):.3f}" in output
+    assert (f"exposed comm te_ep[reference]: fwd+bwd {float(te_ep['step_ms']):.3f} - {float(compute['step_ms']):.3f}"
+            in output)
+
+
+def test_bench_moe_layer_cpu_fp8(tmp_path):
+    """--fp8 adds an FP8-dispatch block per backend, verified against native with the FP8 tolerance."""
+    output, rows = _run_bench(tmp_path, "--fp8", "--hidden", "128")
+    assert "verify te_ep-fp8[reference] vs native (relative L2 tolerance 0.08" in output, output
+    assert "MISMATCH" not in output and "FAILED" not in output, output
+    assert [(r["block"], r["backend"]) for r in rows] == [
+        ("native", "-"), ("te_ep", "reference"), ("te_ep-fp8", "reference"), ("compute", "reference")]
+    assert "exposed comm te_ep-fp8[reference]" in output, output
 
 
 def test_bench_moe_layer_cpu_bf16_grouped_mm(tmp_path):

@@ -186,6 +186,7 @@ Group::Group(std::shared_ptr<Communicator> comm, const GroupConfig& config) : co
   // Explicit OFF rather than AUTO: the staged mode must not change meaning
   // if a later NCCL EP release resolves AUTO differently.
   cfg.zero_copy = config.zero_copy ? NCCL_EP_ZERO_COPY_ON : NCCL_EP_ZERO_COPY_OFF;
+  cfg.timeout_ns = static_cast<uint64_t>(config.timeout_ms) * 1000000ULL;
   DeviceScope scope(comm_->device());
   check_nccl(api().EpCreateGroup(&group_, comm_->get(), &cfg), "ncclEpCreateGroup");
 }
@@ -250,6 +251,31 @@ void Handle::dispatch_forward(const void* tokens, DType dtype, int64_t num_token
   auto config = make_struct<ncclEpDispatchConfig_t>();
   config.pass_direction = NCCL_EP_FWD_PASS;
   check_nccl(api().EpDispatch(handle_, &inputs, &outputs, nullptr, &config, stream), "ncclEpDispatch (forward)");
+}
+
+void Handle::dispatch_forward_fp8(const void* values, const float* scales, int64_t num_tokens, int64_t hidden,
+                                  int64_t num_scales, const float* weights, int64_t top_k, const Rows& recv_values,
+                                  const Rows& recv_scales, float* recv_weights, cudaStream_t stream) {
+  const size_t capacity = to_size(group_->config().capacity);
+  Desc in_values(values, ncclFloat8e4m3, to_size(num_tokens), to_size(hidden));
+  Desc in_scales(scales, ncclFloat32, to_size(num_tokens), to_size(num_scales));
+  Desc in_weights(weights, ncclFloat32, to_size(num_tokens), to_size(top_k));
+  Desc out_values(recv_values, ncclFloat8e4m3, capacity, to_size(hidden));
+  Desc out_scales(recv_scales, ncclFloat32, capacity, to_size(num_scales));
+  Desc out_weights(recv_weights, ncclFloat32, capacity);
+  auto inputs = make_struct<ncclEpDispatchInputs_t>();
+  inputs.tokens = in_values.get();
+  inputs.topk_weights = in_weights.get();
+  inputs.scales = in_scales.get();
+  auto outputs = make_struct<ncclEpDispatchOutputs_t>();
+  outputs.tokens = out_values.get();
+  outputs.topk_weights = out_weights.get();
+  outputs.scales = out_scales.get();
+  auto config = make_struct<ncclEpDispatchConfig_t>();
+  config.pass_direction = NCCL_EP_FWD_PASS;
+  // The caller quantized: NCCL EP forwards values and scales as bytes.
+  config.quant_recipe = NCCL_EP_DISP_QUANT_FWD;
+  check_nccl(api().EpDispatch(handle_, &inputs, &outputs, nullptr, &config, stream), "ncclEpDispatch (FP8 forward)");
 }
 
 void Handle::dispatch_backward(const void* grad_out, DType dtype, int64_t num_tokens, int64_t hidden,

@@ -79,6 +79,8 @@ struct Rows {
   uint64_t offset = 0;
 
   static Rows plain(const void* p) { return Rows{const_cast<void*>(p), nullptr, 0}; }
+  // The rows `bytes` further on in the same memory (or window).
+  Rows at_offset(uint64_t bytes) const { return Rows{static_cast<char*>(data) + bytes, win, offset + bytes}; }
 };
 
 struct GroupConfig {
@@ -97,6 +99,9 @@ struct GroupConfig {
   // straight into the handles' windows and reduces combine inputs in place
   // there; every dispatch output and combine input must then be a window.
   bool zero_copy = false;
+  // How long NCCL EP's kernels wait for a peer before they trap, in ms; 0:
+  // NCCL EP's default. NCCL_EP_TIMEOUT_MS overrides it.
+  int64_t timeout_ms = 0;
 };
 
 // One ncclEpGroup: NCCL EP's receive budget and staging buffers are sized per
@@ -143,6 +148,14 @@ class Handle {
   //   -> recv_tokens [capacity, hidden], recv_weights [capacity] f32.
   void dispatch_forward(const void* tokens, DType dtype, int64_t num_tokens, int64_t hidden, const float* weights,
                         int64_t top_k, const Rows& recv_tokens, float* recv_weights, cudaStream_t stream);
+
+  // QUANT_FWD: values [num_tokens, hidden] e4m3 and scales [num_tokens,
+  // num_scales] f32 travel as bytes, weights as in dispatch_forward ->
+  // recv_values [capacity, hidden], recv_scales [capacity, num_scales],
+  // recv_weights [capacity]. Rows (and window offsets) 16-byte aligned.
+  void dispatch_forward_fp8(const void* values, const float* scales, int64_t num_tokens, int64_t hidden,
+                            int64_t num_scales, const float* weights, int64_t top_k, const Rows& recv_values,
+                            const Rows& recv_scales, float* recv_weights, cudaStream_t stream);
 
   // grad_out [num_tokens, hidden] -> recv_tokens [capacity, hidden]; no weights.
   void dispatch_backward(const void* grad_out, DType dtype, int64_t num_tokens, int64_t hidden,

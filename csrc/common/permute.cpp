@@ -1,5 +1,7 @@
 #include "common/permute.h"
 
+#include "common/float_convert.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -10,89 +12,8 @@ namespace permutation {
 
 namespace {
 
-// Half/bfloat16 conversions without a framework: both round to nearest even,
-// like the CUDA intrinsics and PyTorch's CPU conversions, so CPU and CUDA
-// results agree up to summation rounding.
-float bits_to_float(uint32_t bits) {
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-uint32_t float_to_bits(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  return bits;
-}
-
-float bf16_to_float(uint16_t h) { return bits_to_float(static_cast<uint32_t>(h) << 16); }
-
-uint16_t float_to_bf16(float f) {
-  const uint32_t x = float_to_bits(f);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);  // keep NaN a NaN
-  return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
-}
-
-float fp16_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exponent = (h >> 10) & 0x1fu;
-  const uint32_t mantissa = h & 0x3ffu;
-  if (exponent == 0) {
-    const float magnitude = std::ldexp(static_cast<float>(mantissa), -24);
-    return sign ? -magnitude : magnitude;
-  }
-  if (exponent == 31) return bits_to_float(sign | 0x7f800000u | (mantissa << 13));
-  return bits_to_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
-}
-
-uint16_t float_to_fp16(float f) {
-  uint32_t x = float_to_bits(f);
-  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
-  x &= 0x7fffffffu;
-  if (x > 0x7f800000u) return sign | 0x7e00u;
-  // 65520 is the midpoint between the largest half (65504) and 2^16; ties go
-  // to the even neighbour, which is infinity.
-  if (x >= 0x477ff000u) return sign | 0x7c00u;
-  if (x < 0x38800000u) {
-    // Below the smallest normal half the result counts units of 2^-24; the
-    // scaling is exact, and nearbyint rounds to nearest even.
-    const float units = bits_to_float(x) * 16777216.0f;
-    return sign | static_cast<uint16_t>(std::nearbyint(units));
-  }
-  // Rebias the exponent (127 -> 15) and round the 13 dropped mantissa bits.
-  x += 0xc8000fffu + ((x >> 13) & 1u);
-  return sign | static_cast<uint16_t>(x >> 13);
-}
-
-float load_float(const void* row, int64_t i, DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return static_cast<const float*>(row)[i];
-    case DType::kFloat16:
-      return fp16_to_float(static_cast<const uint16_t*>(row)[i]);
-    case DType::kBFloat16:
-      return bf16_to_float(static_cast<const uint16_t*>(row)[i]);
-    default:  // not a row type: the adapter has refused it
-      break;
-  }
-  return 0.f;
-}
-
-void store_float(void* row, int64_t i, DType dtype, float value) {
-  switch (dtype) {
-    case DType::kFloat32:
-      static_cast<float*>(row)[i] = value;
-      return;
-    case DType::kFloat16:
-      static_cast<uint16_t*>(row)[i] = float_to_fp16(value);
-      return;
-    case DType::kBFloat16:
-      static_cast<uint16_t*>(row)[i] = float_to_bf16(value);
-      return;
-    default:  // not a row type: the adapter has refused it
-      return;
-  }
-}
+using convert::load_float;
+using convert::store_float;
 
 const char* row_at(const void* base, int64_t row, int64_t row_bytes) {
   return static_cast<const char*>(base) + row * row_bytes;

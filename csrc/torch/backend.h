@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 
@@ -30,6 +31,12 @@ struct HandleConfig {
   // nccl_ep only: "staged", "zero_copy" or "auto" (zero-copy where symmetric
   // windows can be had); docs/nccl_ep.md.
   std::string nccl_ep_mode = "staged";
+  // Set to float8_e4m3fn for a handle that also dispatches block-scaled FP8
+  // rows (dispatch_fp8); combine and the backward ops stay in `dtype`.
+  std::optional<at::ScalarType> dispatch_dtype;
+  // nccl_ep only: how long NCCL EP's kernels wait for the other ranks, in ms
+  // (0: NCCL EP's default); EpGroup passes the process group's timeout.
+  int64_t timeout_ms = 0;
 
   int64_t num_local_experts() const { return num_experts / ep_size; }
 };
@@ -63,6 +70,11 @@ class Backend {
   virtual std::tuple<at::Tensor, at::Tensor> prepare(const at::Tensor& topk_idx, at::Tensor& handle_mem) = 0;
   virtual std::tuple<at::Tensor, at::Tensor> dispatch(
       const at::Tensor& tokens, const at::Tensor& topk_weights, const at::Tensor& handle_mem) = 0;
+  // values [T, H] e4m3 and scales [T, H / 128] f32 -> the same rows in the
+  // expert-major layout of dispatch (padding rows: zero bytes), plus weights.
+  virtual std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_fp8(
+      const at::Tensor& values, const at::Tensor& scales, const at::Tensor& topk_weights,
+      const at::Tensor& handle_mem) = 0;
   virtual at::Tensor combine(const at::Tensor& expert_out, const at::Tensor& handle_mem, int64_t num_tokens) = 0;
   virtual std::tuple<at::Tensor, at::Tensor> dispatch_bwd(
       const at::Tensor& grad_recv_tokens, const at::Tensor& grad_recv_weights, const at::Tensor& handle_mem,
@@ -80,6 +92,9 @@ std::unique_ptr<Backend> make_reference_backend(const HandleConfig& cfg);
 // weights with 16-byte copies and assert (aborting the process) that
 // max_tokens * top_k and num_experts are multiples of 4 entries.
 constexpr int64_t kNcclEpExpertMultiple = 4;
+
+// FP8 dispatch: one float32 scale per this many values of a row.
+constexpr int64_t kFp8Block = 128;
 
 // ---- the nccl_ep backend (nccl_ep_backend.cpp; stubs in builds without it,
 // nccl_ep_private_ops.cpp) ---------------------------------------------------

@@ -51,6 +51,7 @@ std::string dtype_name(at::ScalarType t) {
     case at::kInt: return "torch.int32";
     case at::kLong: return "torch.int64";
     case at::kBool: return "torch.bool";
+    case at::kFloat8_e4m3fn: return "torch.float8_e4m3fn";
     default: return c10::toString(t);
   }
 }
@@ -206,7 +207,7 @@ void check_num_tokens(ArgCheck& check, HandleEntry& h, const at::Tensor& handle_
 std::tuple<int64_t, at::Tensor> create_handle(
     c10::string_view group_name, c10::string_view backend, int64_t num_experts, int64_t max_tokens_per_rank,
     int64_t top_k, int64_t hidden, int64_t capacity, int64_t alignment, at::ScalarType dtype, at::Device device,
-    c10::string_view nccl_ep_mode) {
+    c10::string_view nccl_ep_mode, std::optional<at::ScalarType> dispatch_dtype, int64_t timeout_ms) {
   HandleConfig cfg;
   cfg.group_name = to_string(group_name);
   cfg.backend = to_string(backend);
@@ -243,6 +244,17 @@ std::tuple<int64_t, at::Tensor> create_handle(
     TORCH_CHECK(
         device.has_index(), "te_ep.create_handle: device must name a CUDA device index (e.g. cuda:0), got ", device);
   }
+  if (dispatch_dtype.has_value()) {
+    TORCH_CHECK(*dispatch_dtype == at::kFloat8_e4m3fn,
+                "te_ep.create_handle: dispatch_dtype must be None or torch.float8_e4m3fn, got ",
+                dtype_name(*dispatch_dtype));
+    TORCH_CHECK(hidden % kFp8Block == 0, "te_ep.create_handle: FP8 dispatch scales blocks of ", kFp8Block,
+                " values, so hidden must be a multiple of ", kFp8Block, ", got hidden=", hidden);
+  }
+  cfg.dispatch_dtype = dispatch_dtype;
+  TORCH_CHECK(timeout_ms >= 0, "te_ep.create_handle: timeout_ms must be >= 0 (0: NCCL EP's default), got ",
+              timeout_ms);
+  cfg.timeout_ms = timeout_ms;
   cfg.num_experts = num_experts;
   cfg.max_tokens_per_rank = max_tokens_per_rank;
   cfg.top_k = top_k;
@@ -353,6 +365,33 @@ std::tuple<at::Tensor, at::Tensor> dispatch(
                 [&] { return h->backend->dispatch(tokens, topk_weights, handle_mem); });
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_fp8(
+    const at::Tensor& values, const at::Tensor& scales, const at::Tensor& topk_weights, const at::Tensor& handle_mem,
+    c10::string_view group_name, int64_t handle_id, int64_t capacity) {
+  auto h = lookup("dispatch_fp8", handle_id);
+  const HandleConfig& cfg = h->cfg;
+  ArgCheck check("dispatch_fp8", cfg);
+  check_common(check, *h, handle_mem, group_name);
+  check.require(cfg.dispatch_dtype == at::kFloat8_e4m3fn, "the handle was created without FP8 dispatch; create it "
+                "with dispatch_dtype=torch.float8_e4m3fn");
+  check.require(capacity == cfg.capacity, "capacity must be ", cfg.capacity, " (the handle's), got ", capacity);
+  check.tensor(values, "values", 2, "[num_tokens, hidden]");
+  check.dtype(values, "values", at::kFloat8_e4m3fn, " (FP8 dispatch)");
+  check.size(values, "values", 1, cfg.hidden, "the handle's hidden");
+  check_prepared(check, *h, handle_mem, values, "values");
+  const int64_t num_tokens = check.ok() ? values.size(0) : 0;
+  check.tensor(scales, "scales", 2, "[num_tokens, hidden / 128]");
+  check.dtype(scales, "scales", at::kFloat, "");
+  check.size(scales, "scales", 0, num_tokens, "num_tokens");
+  check.size(scales, "scales", 1, cfg.hidden / kFp8Block, "one scale per 128 values");
+  check.tensor(topk_weights, "topk_weights", 2, "[num_tokens, top_k]");
+  check.dtype(topk_weights, "topk_weights", at::kFloat, "");
+  check.size(topk_weights, "topk_weights", 0, num_tokens, "num_tokens");
+  check.size(topk_weights, "topk_weights", 1, cfg.top_k, "the handle's top_k");
+  return run_op(*h, handle_id, "dispatch_fp8", check.error(),
+                [&] { return h->backend->dispatch_fp8(values, scales, topk_weights, handle_mem); });
+}
+
 at::Tensor combine(
     const at::Tensor& expert_out, const at::Tensor& handle_mem, c10::string_view group_name, int64_t handle_id,
     int64_t num_tokens) {
@@ -413,6 +452,7 @@ TORCH_LIBRARY_IMPL(te_ep, CompositeExplicitAutograd, m) {
 static void register_comm_ops(torch::Library& m) {
   m.impl("prepare", &prepare);
   m.impl("dispatch", &dispatch);
+  m.impl("dispatch_fp8", &dispatch_fp8);
   m.impl("combine", &combine);
   m.impl("dispatch_bwd", &dispatch_bwd);
   m.impl("combine_bwd", &combine_bwd);

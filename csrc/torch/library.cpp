@@ -11,7 +11,7 @@ TORCH_LIBRARY(te_ep, m) {
   m.def(
       "create_handle(str group_name, str backend, int num_experts, int max_tokens_per_rank, "
       "int top_k, int hidden, int capacity, int alignment, ScalarType dtype, Device device, "
-      "str nccl_ep_mode=\"staged\") -> (int, Tensor)");
+      "str nccl_ep_mode=\"staged\", ScalarType? dispatch_dtype=None, int timeout_ms=0) -> (int, Tensor)");
   m.def("destroy_handle(int handle_id) -> ()");
   m.def("live_handles() -> int[]");
   // How a handle moves tokens ("reference", "staged", "zero_copy"), why, and
@@ -30,6 +30,12 @@ TORCH_LIBRARY(te_ep, m) {
   m.def(
       "dispatch(Tensor tokens, Tensor topk_weights, Tensor handle_mem, str group_name, "
       "int handle_id, int capacity) -> (Tensor recv_tokens, Tensor recv_weights)");
+  // FP8 dispatch (handles created with dispatch_dtype=float8_e4m3fn): e4m3
+  // values [T, H] and their float32 scales [T, H / 128] move as bytes into
+  // the same expert-major rows; padding rows hold zero values and scale 0.
+  m.def(
+      "dispatch_fp8(Tensor values, Tensor scales, Tensor topk_weights, Tensor handle_mem, str group_name, "
+      "int handle_id, int capacity) -> (Tensor recv_values, Tensor recv_scales, Tensor recv_weights)");
   m.def(
       "combine(Tensor expert_out, Tensor handle_mem, str group_name, int handle_id, "
       "int num_tokens) -> Tensor");
@@ -40,6 +46,12 @@ TORCH_LIBRARY(te_ep, m) {
   m.def(
       "combine_bwd(Tensor grad_out, Tensor handle_mem, str group_name, int handle_id, "
       "int capacity) -> Tensor");
+
+  // ---- block-scaled FP8 (local; csrc/common/fp8.h states the rules) ---------
+  // x [T, H] bfloat16/float16/float32, H a multiple of 128 -> values [T, H]
+  // float8_e4m3fn and scales [T, H / 128] float32, x ~= values * scale.
+  m.def("quantize_fp8(Tensor x, bool pow2_scales=False) -> (Tensor values, Tensor scales)");
+  m.def("dequantize_fp8(Tensor values, Tensor scales, ScalarType dtype) -> Tensor");
 
   // ---- permutation (local, no communication) --------------------------------
   // BEGIN permutation schemas

@@ -129,11 +129,12 @@ struct GroupKey {
   int64_t max_token_bytes;
   bool can_overflow;
   bool zero_copy;
+  int64_t timeout_ms;
 
   bool operator<(const GroupKey& other) const {
-    return std::tie(num_experts, max_tokens_per_rank, capacity, max_token_bytes, can_overflow, zero_copy) <
+    return std::tie(num_experts, max_tokens_per_rank, capacity, max_token_bytes, can_overflow, zero_copy, timeout_ms) <
            std::tie(other.num_experts, other.max_tokens_per_rank, other.capacity, other.max_token_bytes,
-                    other.can_overflow, other.zero_copy);
+                    other.can_overflow, other.zero_copy, other.timeout_ms);
   }
 };
 
@@ -178,6 +179,7 @@ class Registry {
       config.max_token_bytes = key.max_token_bytes;
       config.can_overflow = key.can_overflow;
       config.zero_copy = key.zero_copy;
+      config.timeout_ms = key.timeout_ms;
       group = entry.groups.emplace(key, std::make_shared<ne::Group>(entry.comm, config)).first;
     }
     return group->second;
@@ -234,8 +236,12 @@ class WindowRows {
     handed_out_.clear();
   }
 
-  at::Tensor hand_out() {
-    at::Tensor t = at::from_blob(ptr_, {rows_, hidden_}, options_);
+  at::Tensor hand_out() { return hand_out_view(0, {rows_, hidden_}, options_.dtype().toScalarType()); }
+
+  // A tensor of another shape and dtype over the window, `byte_offset` in
+  // (FP8 dispatch puts its values and scales there).
+  at::Tensor hand_out_view(uint64_t byte_offset, at::IntArrayRef sizes, at::ScalarType dtype) {
+    at::Tensor t = at::from_blob(static_cast<char*>(ptr_) + byte_offset, sizes, options_.dtype(dtype));
     handed_out_.emplace_back(c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
     return t;
   }
@@ -398,6 +404,55 @@ class NcclEpBackend final : public Backend {
                               ne::Rows::plain(recv_tokens.data_ptr()), recv_weights.data_ptr<float>(), stream);
     zero_tail_if_needed(recv_tokens, recv_weights.data_ptr<float>(), stream);
     return {recv_tokens, recv_weights};
+  }
+
+  // Zero-copy mode: the values (capacity * hidden bytes) and then the scales
+  // share the receive window, which the handle's dtype makes at least twice
+  // as wide as the values.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_fp8(const at::Tensor& values, const at::Tensor& scales,
+                                                              const at::Tensor& topk_weights,
+                                                              const at::Tensor& handle_mem) override {
+    (void)handle_mem;
+    require_prepared("dispatch_fp8");
+    c10::cuda::CUDAGuard guard(cfg_.device);
+    cudaStream_t stream = current_stream();
+    const at::Tensor q = values.contiguous();
+    const at::Tensor s = scales.contiguous();
+    const at::Tensor w = topk_weights.contiguous();
+    const int64_t num_scales = cfg_.hidden / kFp8Block;
+    const int64_t scale_row_bytes = num_scales * static_cast<int64_t>(sizeof(float));
+    const uint64_t scales_offset = static_cast<uint64_t>(cfg_.capacity * cfg_.hidden);
+    at::Tensor recv_weights = at::empty({cfg_.capacity}, w.options());
+    at::Tensor recv_values;
+    at::Tensor recv_scales;
+    ne::Rows value_rows;
+    ne::Rows scale_rows;
+    if (zero_copy_) {
+      recv_window_.invalidate();
+      value_rows = recv_window_.rows();
+      scale_rows = value_rows.at_offset(scales_offset);
+      recv_values = recv_window_.hand_out_view(0, {cfg_.capacity, cfg_.hidden}, at::kFloat8_e4m3fn);
+      recv_scales = recv_window_.hand_out_view(scales_offset, {cfg_.capacity, num_scales}, at::kFloat);
+    } else {
+      recv_values = at::empty({cfg_.capacity, cfg_.hidden}, q.options());
+      recv_scales = at::empty({cfg_.capacity, num_scales}, s.options());
+      value_rows = ne::Rows::plain(recv_values.data_ptr());
+      scale_rows = ne::Rows::plain(recv_scales.data_ptr());
+    }
+    handle_->dispatch_forward_fp8(q.data_ptr(), s.data_ptr<float>(), q.size(0), cfg_.hidden, num_scales,
+                                  w.data_ptr<float>(), w.size(1), value_rows, scale_rows,
+                                  recv_weights.data_ptr<float>(), stream);
+    // Rows past the total are zeroed whatever NCCL EP left there: values and
+    // scales do not follow the bf16 row bookkeeping of the window (dirty_recv),
+    // which is therefore marked wholly dirty for the next bf16 dispatch.
+    ne::launch_zero_unused_rows(state(), recv_values.data_ptr(), cfg_.hidden, recv_weights.data_ptr<float>(),
+                                cfg_.capacity, nullptr, stream);
+    ne::launch_zero_unused_rows(state(), recv_scales.data_ptr(), scale_row_bytes, nullptr, cfg_.capacity, nullptr,
+                                stream);
+    if (zero_copy_) {
+      ne::launch_mark_dirty_rows(state(), &state()->dirty_recv, cfg_.capacity, /*whole=*/true, stream);
+    }
+    return {recv_values, recv_scales, recv_weights};
   }
 
   at::Tensor combine(const at::Tensor& expert_out, const at::Tensor& handle_mem, int64_t num_tokens) override {
@@ -659,6 +714,12 @@ std::unique_ptr<Backend> make_nccl_ep_backend(const HandleConfig& cfg) {
   TORCH_CHECK(cfg.num_experts % kNcclEpExpertMultiple == 0, "te_ep.create_handle: backend 'nccl_ep' needs num_experts "
               "to be a multiple of ", kNcclEpExpertMultiple, " (NCCL EP copies routing weights in 16-byte units), got "
               "num_experts=", cfg.num_experts, "; use backend='reference' for this layer");
+  // QUANT_FWD moves rows of scales too, and those must be 16-byte aligned:
+  // hidden / 128 floats, a multiple of 4.
+  TORCH_CHECK(!cfg.dispatch_dtype.has_value() || cfg.hidden % (kFp8Block * 4) == 0, "te_ep.create_handle: FP8 "
+              "dispatch on backend 'nccl_ep' moves rows of hidden / ", kFp8Block, " float32 scales in 16-byte units, "
+              "so hidden must be a multiple of ", kFp8Block * 4, ", got hidden=", cfg.hidden,
+              "; use backend='reference' or a bfloat16 dispatch for this layer");
   // NCCL EP's send budget per rank, rounded up (see nccl_ep_send_budget).
   const int64_t send_budget = nccl_ep_send_budget(cfg.max_tokens_per_rank);
   TORCH_CHECK(cfg.capacity >= send_budget, "te_ep.create_handle: backend 'nccl_ep' needs capacity >= "
@@ -675,7 +736,8 @@ std::unique_ptr<Backend> make_nccl_ep_backend(const HandleConfig& cfg) {
   const int64_t worst_case = common::worst_case_capacity(cfg.ep_size, cfg.max_tokens_per_rank, cfg.top_k,
                                                          cfg.num_local_experts(), cfg.alignment);
   const auto [zero_copy, mode_reason] = choose_zero_copy(cfg);
-  const GroupKey key{cfg.num_experts, send_budget, cfg.capacity, row_bytes, cfg.capacity < worst_case, zero_copy};
+  const GroupKey key{cfg.num_experts, send_budget, cfg.capacity, row_bytes, cfg.capacity < worst_case, zero_copy,
+                     cfg.timeout_ms};
   auto group = registry().group_for(cfg, pg, key);
   return std::make_unique<NcclEpBackend>(cfg, std::move(group), check_routing_requested(), mode_reason);
 }

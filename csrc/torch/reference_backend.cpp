@@ -139,6 +139,24 @@ class ReferenceBackend final : public Backend {
     return {scatter_slots(recv_rows, plan), scatter_slots(recv_w, plan)};
   }
 
+  // Each token's values and scales travel as one row of bytes, so a single
+  // exchange moves both and the padding rows come out as zero bytes.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_fp8(
+      const at::Tensor& values, const at::Tensor& scales, const at::Tensor& topk_weights,
+      const at::Tensor& handle_mem) override {
+    Plan plan = read_plan(handle_mem);
+    const int64_t hidden = values.size(1);
+    const at::Tensor packed =
+        at::cat({values.contiguous().view(at::kByte), scales.contiguous().view(at::kByte)}, /*dim=*/1);
+    const at::Tensor order = index_tensor(plan.order);
+    const at::Tensor rows = packed.index_select(0, at::floor_divide(order, cfg_.top_k));
+    const at::Tensor weights = topk_weights.reshape({-1}).index_select(0, order);
+    const at::Tensor recv = scatter_slots(to_experts(rows, plan), plan);
+    at::Tensor recv_values = recv.narrow(1, 0, hidden).contiguous().view(at::kFloat8_e4m3fn);
+    at::Tensor recv_scales = recv.narrow(1, hidden, recv.size(1) - hidden).contiguous().view(at::kFloat);
+    return {recv_values, recv_scales, scatter_slots(to_experts(weights, plan), plan)};
+  }
+
   at::Tensor combine(const at::Tensor& expert_out, const at::Tensor& handle_mem, int64_t num_tokens) override {
     Plan plan = read_plan(handle_mem);
     return sum_per_token(to_sources(gather_slots(expert_out, plan), plan), plan, num_tokens);

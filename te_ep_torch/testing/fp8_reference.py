@@ -51,6 +51,22 @@ def _check_rows(x: Tensor, block: int, name: str) -> Tuple[int, int]:
     return tokens, hidden
 
 
+def _next_power_of_two(v: Tensor) -> Tensor:
+    """The least power of two >= each positive float32 of ``v``, exactly.
+
+    ``exp2(ceil(log2(v)))`` is not exact: just above a power of two, float32 ``log2``
+    rounds to the integer and the result falls below ``v``. ``frexp`` splits
+    ``v = m * 2**e`` with ``m`` in [0.5, 1) exactly; the answer is ``v`` when ``m`` is
+    0.5, else ``2**e``, built from its bits (a normal or a subnormal float32).
+    """
+    mantissa, exponent = torch.frexp(v)
+    e = exponent.to(torch.int32)
+    normal = (e + 127).clamp(min=1) << 23
+    subnormal = torch.ones_like(e) << (e + 149).clamp(0, 22)
+    power = torch.where(e >= -126, normal, subnormal).view(torch.float32)
+    return torch.where(mantissa == 0.5, v, power)
+
+
 def quantize_reference(x: Tensor, block: int = BLOCK, pow2_scales: bool = False) -> Tuple[Tensor, Tensor]:
     """``[T, H]`` bf16/fp16/fp32 -> ``(q [T, H] float8_e4m3fn, scales [T, H / block] float32)``."""
     if x.dtype not in _DTYPES:
@@ -60,7 +76,7 @@ def quantize_reference(x: Tensor, block: int = BLOCK, pow2_scales: bool = False)
     amax = blocks.abs().amax(dim=-1)
     scale = (amax / E4M3_MAX).clamp_min(_MIN_SCALE)
     if pow2_scales:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        scale = _next_power_of_two(scale)
     scale = torch.where(amax == 0, torch.ones_like(scale), scale)
     scale = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
     q = (blocks / scale.unsqueeze(-1)).to(torch.float8_e4m3fn)

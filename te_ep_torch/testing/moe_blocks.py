@@ -40,8 +40,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..autograd import ep_combine, ep_dispatch
+from ..autograd import ep_combine, ep_dispatch, ep_dispatch_fp8
 from ..group import EpGroup
+from ..overlap import comm_stream_for
 from ..moe import EXPERT_IMPLS, grouped_mm_supported
 from ..permutation import permute, unpermute
 
@@ -68,6 +69,9 @@ class MoEConfig:
     num_experts: int
     top_k: int
     dtype: torch.dtype = torch.bfloat16
+    # Inner width of a dense SwiGLU shared expert every token also goes through
+    # (its output is added unweighted); 0 = none.
+    shared_ffn: int = 0
 
 
 def resolve_gemm(gemm: str, device: torch.device, dtype: torch.dtype, *dims: int) -> str:
@@ -134,6 +138,11 @@ class _MoEBase(torch.nn.Module):
         self.w_gate = torch.nn.Parameter(torch.empty(e_local, h, f, dtype=config.dtype, **kw))
         self.w_up = torch.nn.Parameter(torch.empty(e_local, h, f, dtype=config.dtype, **kw))
         self.w_down = torch.nn.Parameter(torch.empty(e_local, f, h, dtype=config.dtype, **kw))
+        if config.shared_ffn:
+            fs = config.shared_ffn
+            self.shared_gate = torch.nn.Parameter(torch.empty(h, fs, dtype=config.dtype, **kw))
+            self.shared_up = torch.nn.Parameter(torch.empty(h, fs, dtype=config.dtype, **kw))
+            self.shared_down = torch.nn.Parameter(torch.empty(fs, h, dtype=config.dtype, **kw))
         self.reset_parameters(seed)
 
     @torch.no_grad()
@@ -149,6 +158,11 @@ class _MoEBase(torch.nn.Module):
             self.w_gate[e].copy_(torch.randn(cfg.hidden, cfg.ffn, generator=gen) * cfg.hidden**-0.5)
             self.w_up[e].copy_(torch.randn(cfg.hidden, cfg.ffn, generator=gen) * cfg.hidden**-0.5)
             self.w_down[e].copy_(torch.randn(cfg.ffn, cfg.hidden, generator=gen) * cfg.ffn**-0.5)
+        if cfg.shared_ffn:
+            gen.manual_seed(seed * 1_000_003 + 1 + cfg.num_experts)
+            self.shared_gate.copy_(torch.randn(cfg.hidden, cfg.shared_ffn, generator=gen) * cfg.hidden**-0.5)
+            self.shared_up.copy_(torch.randn(cfg.hidden, cfg.shared_ffn, generator=gen) * cfg.hidden**-0.5)
+            self.shared_down.copy_(torch.randn(cfg.shared_ffn, cfg.hidden, generator=gen) * cfg.shared_ffn**-0.5)
 
     def route(self, x: Tensor):
         """``(topk_weights [T, K] float32, topk_idx [T, K] int64)``."""
@@ -163,6 +177,16 @@ class _MoEBase(torch.nn.Module):
             return swiglu_grouped_mm(tokens, offs, self.w_gate, self.w_up, self.w_down)
         # The loop needs the zone sizes on the host: a sync the grouped GEMM avoids.
         return swiglu_loop(tokens, expert_counts.tolist(), self.w_gate, self.w_up, self.w_down)
+
+    def shared(self, x: Tensor) -> Optional[Tensor]:
+        """The shared expert's output for ``x``, ``None`` without one."""
+        if not self.config.shared_ffn:
+            return None
+        return (F.silu(x @ self.shared_gate) * (x @ self.shared_up)) @ self.shared_down
+
+    def _with_shared(self, y: Tensor, x: Tensor) -> Tensor:
+        shared = self.shared(x)
+        return y if shared is None else y + shared
 
     def _check_input(self, x: Tensor) -> None:
         if x.dim() != 2 or x.shape[1] != self.config.hidden:
@@ -245,7 +269,7 @@ class NativeMoEBlock(_MoEBase):
         unsort[order] = torch.arange(order.numel(), device=order.device)
         per_choice = back.index_select(0, unsort)
         per_choice = per_choice * topk_weights.reshape(-1, 1).to(per_choice.dtype)
-        return per_choice.view(num_tokens, top_k, cfg.hidden).sum(dim=1)
+        return self._with_shared(per_choice.view(num_tokens, top_k, cfg.hidden).sum(dim=1), x)
 
     def _zone_slots(self, recv_counts: Tensor, num_rows: int):
         """``(slot of every received row in the expert-major buffer, padded zone sizes)``, on the device."""
@@ -297,6 +321,12 @@ class TeEpMoEBlock(_MoEBase):
         capacity: receive rows of the handle; ``None``: the worst case.
         gemm: ``"grouped_mm"``, ``"loop"`` or ``"auto"``.
         seed: parameter seed (see :meth:`reset_parameters`).
+        dispatch_dtype: ``torch.float8_e4m3fn`` dispatches block-scaled FP8
+            (:func:`~te_ep_torch.ep_dispatch_fp8`) and dequantizes the received rows
+            before the experts; ``None`` dispatches in ``config.dtype``.
+        overlap: dispatch and combine on the communication stream
+            (:mod:`te_ep_torch.overlap`), the shared expert on the current stream
+            meanwhile; as ``te_ep_torch.moe.MoE(overlap=True)``.
     """
 
     def __init__(
@@ -308,23 +338,45 @@ class TeEpMoEBlock(_MoEBase):
         capacity: Optional[int] = None,
         gemm: str = "auto",
         seed: int = 0,
+        dispatch_dtype: Optional[torch.dtype] = None,
+        overlap: bool = False,
     ) -> None:
         if group.num_experts != config.num_experts:
             raise ValueError(f"group has {group.num_experts} experts, config {config.num_experts}")
         super().__init__(config, group.rank, group.ep_size, group.device, gemm, seed)
         self.group = group
         self.handle = group.create_handle(
-            top_k=config.top_k, hidden=config.hidden, dtype=config.dtype, alignment=alignment, capacity=capacity
+            top_k=config.top_k, hidden=config.hidden, dtype=config.dtype, alignment=alignment, capacity=capacity,
+            dispatch_dtype=dispatch_dtype,
         )
+        self.fp8 = dispatch_dtype is not None
+        self.overlap = overlap
 
     def forward(self, x: Tensor) -> Tensor:
         self._check_input(x)
         topk_weights, topk_idx = self.route(x)
-        out = ep_dispatch(self.handle, x, topk_idx, topk_weights)
-        y = self._zone_experts(out.tokens, out.expert_counts)
+        comm = comm_stream_for(x.device) if self.overlap else None
+
+        def dispatch():
+            if self.fp8:
+                return ep_dispatch_fp8(self.handle, x, topk_idx, topk_weights)
+            return ep_dispatch(self.handle, x, topk_idx, topk_weights)
+
+        if comm is None:
+            out, shared = dispatch(), None
+        else:
+            out = comm.launch(dispatch, (x, topk_idx, topk_weights))
+            shared = self.shared(x)
+            comm.join(out)
+        rows = out.dequantize() if self.fp8 else out.tokens
+        y = self._zone_experts(rows, out.expert_counts)
         # Padding rows have weight 0; rows after the last zone are never read by combine.
         y = y * out.weights[:, None].to(y.dtype)
-        return ep_combine(self.handle, y, x.shape[0])
+        if comm is None:
+            return self._with_shared(ep_combine(self.handle, y, x.shape[0]), x)
+        combined = comm.launch(lambda: ep_combine(self.handle, y, x.shape[0]), (y,))
+        comm.join((combined,))
+        return combined if shared is None else combined + shared
 
 
 
@@ -379,7 +431,7 @@ class ComputeOnlyMoEBlock(_MoEBase):
         )
         y = self._zone_experts(rows, perm_map.expert_counts)
         y = y * row_weights[:, None].to(y.dtype)
-        return unpermute(y, perm_map)
+        return self._with_shared(unpermute(y, perm_map), x)
 
 
 @torch.no_grad()

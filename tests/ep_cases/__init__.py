@@ -28,7 +28,7 @@ Sizes: a case that runs on nccl_ep uses sizes it accepts at any world size
 reference backend takes live in cases marked `Case.reference_only`.
 
 Modules: `common` (config, routing, fingerprints, expected layout), `exact`, `dense`,
-`errors`, `lifecycle`, `compile_graphs`, `lifetime`.
+`errors`, `lifecycle`, `compile_graphs`, `lifetime`, `fp8`.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ from .exact import (
     case_exact_steps,
     case_two_layers_raw,
 )
+from .fp8 import FP8_STEPS, case_fp8_dispatch_exact, case_fp8_dispatch_grads, case_fp8_errors
 from .lifecycle import case_group_api, case_shutdown_reinit, case_subgroups
 from .lifetime import (
     case_handle_mode_and_memory,
@@ -115,6 +116,10 @@ CASES = [
     Case("compile_aot_eager", case_compile, ("aot_eager",), world_sizes=(2,), timeout=300),
     Case("compile_inductor", case_compile, ("inductor",), world_sizes=(2,), timeout=600),
     Case("handle_mode_and_memory", case_handle_mode_and_memory),
+    Case("fp8_dispatch_exact", case_fp8_dispatch_exact, (FP8_STEPS,), timeout=120),
+    Case("fp8_dispatch_exact_pow2", case_fp8_dispatch_exact, (FP8_STEPS[:2], True), timeout=120),
+    Case("fp8_dispatch_grads", case_fp8_dispatch_grads, (Step(hidden=512, top_k=2, drop=0.2),)),
+    Case("fp8_errors", case_fp8_errors, needs_agreement=True),
     Case("lifetime_microbatches", case_lifetime_microbatches),
     Case("lifetime_checkpoint", case_lifetime_checkpoint),
     Case("lifetime_expert_out_after_combine", case_lifetime_expert_out_after_combine),

@@ -394,6 +394,10 @@ def case_config_mismatch(ctx) -> None:
     # EpGroup: an invalid value on rank 0 only raises on every rank, naming rank 0.
     expect_raises(lambda: group(max_tokens_per_rank=0 if r == 0 else 8), "rank 0", "max_tokens_per_rank",
                   exc=ValueError)
+    # The NCCL EP wait limit is part of the group's configuration; an invalid one names itself.
+    expect_raises(lambda: group(timeout=30.0 if last else 20.0), "disagree on timeout_ms", f"rank {W - 1}: 30000",
+                  exc=ValueError)
+    expect_raises(lambda: group(timeout=-1.0), "timeout must be a positive number of seconds", exc=ValueError)
 
     g = make_group(ctx, ERROR_STEP)
     base = dict(top_k=ERROR_STEP.top_k, hidden=ERROR_STEP.hidden, dtype=dt, alignment=1, capacity=64)
@@ -404,6 +408,9 @@ def case_config_mismatch(ctx) -> None:
             kw[name] = other
         expect_raises(lambda: g.create_handle(**kw), f"disagree on {name}", f"rank {W - 1}: {other}",
                       exc=ValueError)
+    fp8 = torch.float8_e4m3fn if last else None
+    expect_raises(lambda: g.create_handle(**dict(base, hidden=128, dispatch_dtype=fp8)),
+                  "disagree on dispatch_dtype", f"rank {W - 1}: torch.float8_e4m3fn", exc=ValueError)
     # create_handle: an invalid argument on rank 0 only.
     kw = dict(base)
     if r == 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,9 @@ def case_group_api(ctx) -> None:
         assert g.backend == ctx.backend, g.backend
         assert torch.device(g.device) == torch.device(ctx.device), g.device
         assert g.group_name == dist.group.WORLD.group_name, (g.group_name, dist.group.WORLD.group_name)
+        # NCCL EP's wait limit follows the process group's timeout unless given.
+        pg_timeout = dist.group.WORLD._get_backend(torch.device(g.device.type)).options._timeout
+        assert g.timeout_ms == int(pg_timeout.total_seconds() * 1000), (g.timeout_ms, pg_timeout)
         for K in (1, 2, 5):
             for a in (1, 8, 128):
                 want = W * maxT * min(K, E_local) + E_local * (a - 1)
@@ -42,6 +46,10 @@ def case_group_api(ctx) -> None:
         assert h.id in torch.ops.te_ep.live_handles()
         g.shutdown()
         assert h.id not in torch.ops.te_ep.live_handles()
+    g = te.EpGroup(None, num_experts=4 * W, max_tokens_per_rank=4, backend=ctx.backend, device=ctx.device,
+                   timeout=datetime.timedelta(seconds=42.5))
+    assert g.timeout_ms == 42500, g.timeout_ms
+    g.shutdown()
     if torch.device(ctx.device).type == "cpu":
         g = te.EpGroup(None, num_experts=W, max_tokens_per_rank=4, backend="auto", device=ctx.device)
         assert g.backend == "reference", f"auto on CPU chose {g.backend!r}"

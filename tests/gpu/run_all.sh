@@ -5,8 +5,10 @@
 # the shared cases on the reference and nccl_ep backends (nccl_ep also against
 # the reference), the nccl_ep smoke test, and the 1000-step soak at the largest
 # W; the fault-injection cases (tests/faults) at W=2 on nccl_ep in both modes; then the
-# permutation CUDA tests. Prints a summary line per part and exits
-# non-zero if any part failed. TE_EP_PARTS (default "suite smoke soak perm faults")
+# permutation CUDA tests, the FP8 tests (quantize kernels, the FP8-dispatch MoE layer) and the
+# overlap tests (communication stream vs sequential layer, bitwise, with a delayed stream).
+# Prints a summary line per part and exits
+# non-zero if any part failed. TE_EP_PARTS (default "suite smoke soak perm faults fp8 overlap")
 # selects parts, e.g. to split the run across shorter commands.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -19,7 +21,7 @@ if [ "$ngpu" -lt 1 ]; then
   echo "no CUDA GPU visible: nothing to run"
   exit 1
 fi
-PARTS=" ${TE_EP_PARTS:-suite smoke soak perm faults} "
+PARTS=" ${TE_EP_PARTS:-suite smoke soak perm faults fp8 overlap} "
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 status=0
 summary=()
@@ -61,6 +63,10 @@ if [ "$ngpu" -ge 2 ] && want faults; then
     timeout 1200 "$PY" -m tests.faults --backend nccl_ep --world-size 2 --check-routing -v
 fi
 want perm && run "permutation CUDA tests" "$LOG/permutation.log" timeout 900 "$PY" -m pytest -q tests/test_permutation.py -k cuda
+want fp8 && run "FP8 CUDA tests" "$LOG/fp8.log" \
+  timeout 900 "$PY" -m pytest -q tests/test_fp8_ops.py "tests/test_moe.py::test_fp8_dispatch_layer_gpu"
+want overlap && run "overlap GPU tests" "$LOG/overlap.log" \
+  timeout 900 "$PY" -m pytest -q "tests/test_moe.py::test_overlap_layer_matches_sequential_gpu"
 echo
 printf '%s\n' "${summary[@]}"
 exit $status

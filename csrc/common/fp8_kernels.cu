@@ -1,0 +1,139 @@
+// CUDA kernels of csrc/common/fp8.h. Sixteen lanes quantize one 128-element
+// block (8 elements each, 16-byte loads): the block's amax is a 16-lane
+// shuffle reduction and each lane writes its 8 codes with one 8-byte store,
+// so a row moves through HBM once in and once out.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "common/float_convert.h"
+#include "common/fp8.h"
+#include "common/fp8_scale.h"
+
+namespace te_ep {
+namespace fp8 {
+
+namespace {
+
+constexpr int kPerLane = 8;
+constexpr int kLanesPerBlock = kBlock / kPerLane;  // 16
+constexpr int kThreads = 256;
+
+__device__ inline float as_float(float v) { return v; }
+__device__ inline float as_float(__half v) { return __half2float(v); }
+__device__ inline float as_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+__device__ inline void from_float(float v, float* out) { *out = v; }
+__device__ inline void from_float(float v, __half* out) { *out = __float2half_rn(v); }
+__device__ inline void from_float(float v, __nv_bfloat16* out) { *out = __float2bfloat16_rn(v); }
+
+// Eight elements of T, loaded and stored as whole 16-byte words.
+template <typename T>
+struct alignas(16) Eight {
+  T v[kPerLane];
+};
+
+template <typename T>
+__global__ void quantize_kernel(const T* __restrict__ x, int64_t num_blocks, bool pow2_scales,
+                                uint8_t* __restrict__ values, float* __restrict__ scales) {
+  const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t block = thread / kLanesPerBlock;
+  const int64_t first = thread * kPerLane;  // = block * kBlock + lane * kPerLane
+  const bool active = block < num_blocks;
+
+  float v[kPerLane];
+  float amax = 0.0f;
+  int finite = 1;
+  if (active) {
+    const Eight<T> in = *reinterpret_cast<const Eight<T>*>(x + first);
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      v[i] = as_float(in.v[i]);
+      finite &= isfinite(v[i]) ? 1 : 0;
+      amax = fmaxf(amax, fabsf(v[i]));
+    }
+  }
+  // Every lane of the warp takes part (inactive ones with neutral values).
+#pragma unroll
+  for (int offset = kLanesPerBlock / 2; offset > 0; offset >>= 1) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    finite &= __shfl_xor_sync(0xffffffffu, finite, offset);
+  }
+  if (!active) return;
+
+  const float scale = block_scale(amax, finite != 0, pow2_scales);
+  if (threadIdx.x % kLanesPerBlock == 0) scales[block] = scale;
+  alignas(8) uint8_t q[kPerLane];
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) q[i] = finite ? convert::float_to_e4m3(v[i] / scale) : convert::kE4M3NaN;
+  *reinterpret_cast<uint2*>(values + first) = *reinterpret_cast<const uint2*>(q);
+}
+
+template <typename T>
+__global__ void dequantize_kernel(const uint8_t* __restrict__ values, const float* __restrict__ scales,
+                                  int64_t num_groups, T* __restrict__ out) {
+  const int64_t group = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (group >= num_groups) return;
+  const int64_t first = group * kPerLane;
+  const float scale = scales[first / kBlock];
+  alignas(8) uint8_t q[kPerLane];
+  *reinterpret_cast<uint2*>(q) = *reinterpret_cast<const uint2*>(values + first);
+  Eight<T> result;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) from_float(convert::e4m3_to_float(q[i]) * scale, &result.v[i]);
+  *reinterpret_cast<Eight<T>*>(out + first) = result;
+}
+
+unsigned int grid_for(int64_t threads) { return static_cast<unsigned int>((threads + kThreads - 1) / kThreads); }
+
+}  // namespace
+
+cudaError_t quantize_cuda(const void* x, DType dtype, int64_t rows, int64_t hidden, bool pow2_scales,
+                          uint8_t* values, float* scales, cudaStream_t stream) {
+  const int64_t num_blocks = rows * (hidden / kBlock);
+  if (num_blocks == 0) return cudaSuccess;
+  const unsigned int grid = grid_for(num_blocks * kLanesPerBlock);
+  switch (dtype) {
+    case DType::kFloat32:
+      quantize_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const float*>(x), num_blocks, pow2_scales, values,
+                                                     scales);
+      break;
+    case DType::kFloat16:
+      quantize_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const __half*>(x), num_blocks, pow2_scales, values,
+                                                     scales);
+      break;
+    case DType::kBFloat16:
+      quantize_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), num_blocks, pow2_scales,
+                                                     values, scales);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t dequantize_cuda(const uint8_t* values, const float* scales, int64_t rows, int64_t hidden,
+                            DType out_dtype, void* out, cudaStream_t stream) {
+  const int64_t num_groups = rows * hidden / kPerLane;
+  if (num_groups == 0) return cudaSuccess;
+  const unsigned int grid = grid_for(num_groups);
+  switch (out_dtype) {
+    case DType::kFloat32:
+      dequantize_kernel<<<grid, kThreads, 0, stream>>>(values, scales, num_groups, static_cast<float*>(out));
+      break;
+    case DType::kFloat16:
+      dequantize_kernel<<<grid, kThreads, 0, stream>>>(values, scales, num_groups, static_cast<__half*>(out));
+      break;
+    case DType::kBFloat16:
+      dequantize_kernel<<<grid, kThreads, 0, stream>>>(values, scales, num_groups,
+                                                       static_cast<__nv_bfloat16*>(out));
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace fp8
+}  // namespace te_ep

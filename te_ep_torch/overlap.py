@@ -1,0 +1,78 @@
+"""Communication on a side stream, so that independent compute overlaps it.
+
+:class:`CommStream` runs te_ep ops on a CUDA stream of their own: ``launch`` queues work
+there after everything already queued on the caller's current stream, ``join`` makes the
+current stream wait for it. The event contract is exactly that fork and join: between
+them the current stream may run anything that does not read the launched work's outputs.
+
+Memory safety with the caching allocator: a tensor made on one stream and used on the
+other is recorded on the stream that uses it (``Tensor.record_stream``), so its memory is
+not handed to another allocation before that stream's kernels are done with it: inputs of
+the launched work are recorded on the communication stream, its outputs on the current
+stream at ``join``. Memory te_ep owns (zero-copy windows) is not the allocator's and needs
+no record.
+
+Autograd: the backward of an op that ran on the communication stream runs there too, and
+the autograd engine synchronizes the streams where gradients cross them (PyTorch's
+"stream semantics of backward passes"), so the backward overlaps the same way.
+
+Where it does nothing: on CPU (no streams), under ``torch.compile`` (the compiled graph
+runs on the caller's stream: the layer is sequential there) and while a CUDA graph is being
+captured (the captured layer is sequential). docs/moe.md, "Overlap".
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Iterable, Optional, TypeVar
+
+import torch
+from torch import Tensor
+
+__all__ = ["CommStream", "comm_stream_for"]
+
+T = TypeVar("T")
+
+_streams: Dict[int, "CommStream"] = {}
+
+
+class CommStream:
+    """A communication stream of one CUDA device (see the module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        # High priority: communication kernels wait on other GPUs; let them in first.
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device, priority=-1)
+
+    def launch(self, fn: Callable[[], T], inputs: Iterable[Optional[Tensor]]) -> T:
+        """``fn()`` on the communication stream, after the current stream's queued work.
+
+        ``inputs`` are the tensors ``fn`` reads that were made on the current stream.
+        """
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            result = fn()
+        for t in inputs:
+            if t is not None and t.is_cuda:
+                t.record_stream(self.stream)
+        return result
+
+    def join(self, outputs: Iterable[Optional[Tensor]]) -> None:
+        """The current stream waits for the launched work; its ``outputs`` become usable there."""
+        current = torch.cuda.current_stream(self.device)
+        current.wait_stream(self.stream)
+        for t in outputs:
+            if t is not None and t.is_cuda:
+                t.record_stream(current)
+
+
+def comm_stream_for(device: torch.device) -> Optional[CommStream]:
+    """The device's communication stream, or ``None`` where overlap does not apply (CPU,
+    ``torch.compile``, CUDA graph capture): callers then run sequentially."""
+    if device.type != "cuda" or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _streams.get(index)
+    if stream is None:
+        stream = _streams[index] = CommStream(torch.device("cuda", index))
+    return stream
