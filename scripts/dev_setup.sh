@@ -18,6 +18,14 @@ if ((${#missing[@]})); then
   "$PY" -m pip install --quiet "${missing[@]}"
 fi
 
+# TorchTitan for tests/test_torchtitan.py (te_ep_torch.integrations.torchtitan). --no-deps:
+# its own requirements would pull another torch and its training stack (datasets, wandb,
+# ...); the MoE layer, its sharding and its config system need only these pinned packages.
+if ! "$PY" -c "import torchtitan.models.common.token_dispatcher" 2>/dev/null; then
+  "$PY" -m pip install --quiet --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 \
+    typeguard==4.6.0 docstring_parser==0.18.0
+fi
+
 # No build isolation: the extension must link against the torch installed above.
 "$PY" -m pip install --quiet --no-build-isolation --no-deps -e .
 "$PY" -c "import te_ep_torch, torch; print('te_ep_torch', te_ep_torch.__version__, 'on torch', torch.__version__)"

@@ -1,0 +1,11 @@
+"""Integrations of te_ep_torch with training frameworks (optional).
+
+Each submodule imports its framework; this package imports none of them, so
+``import te_ep_torch`` never needs a framework installed.
+
+* :mod:`te_ep_torch.integrations.torchtitan`: a TorchTitan MoE token dispatcher on the
+  ``te_ep`` ops (docs/torchtitan.md). Needs ``torchtitan`` (``pip install
+  'te_ep_torch[torchtitan]'``).
+"""
+
+__all__: list = []

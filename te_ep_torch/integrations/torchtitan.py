@@ -1,0 +1,371 @@
+"""TorchTitan token dispatcher on the ``te_ep`` dispatch/combine ops.
+
+TorchTitan (0.3.0) routes MoE tokens through a pluggable token dispatcher
+(``torchtitan.models.common.token_dispatcher``): ``RoutedExperts`` calls
+``dispatch(x_TD, topk_scores_TK, topk_expert_ids_TK, counts_E)``, runs its
+``GroupedExperts`` on the expert-major rows it gets back, and calls
+``combine(rows, metadata, x_TD)``, which applies the routing scores and sums the rows
+back to their tokens. :class:`TeEpTokenDispatcher` implements that interface with
+:func:`te_ep_torch.ep_dispatch` / :func:`te_ep_torch.ep_combine`:
+
+* one :class:`~te_ep_torch.EpHandle` per MoE layer (each layer builds its own
+  dispatcher), on an :class:`~te_ep_torch.EpGroup` over the process group of the EP
+  mesh dimension that ``RoutedExperts.parallelize`` wires in (shared by the layers);
+* a static receive buffer of ``capacity`` rows: no host sync, no data-dependent shapes;
+* the permutation is ours, fused into the exchange: dispatch returns the rows already
+  expert-major (zones padded to ``alignment`` rows) with per-local-expert counts, which
+  is what TorchTitan's grouped GEMM takes (``offs = counts.cumsum()``), and combine
+  un-permutes and sums in one op. Neither TorchTitan's ``_local_reorder`` /
+  ``_permute`` nor its ``scatter_add`` run;
+* autograd through the ``te_ep`` ops (gradients reach the tokens and the routing
+  scores, hence the router).
+
+Selecting it: the ``@override`` factory :func:`te_ep_dispatcher`, listed in
+``--override.imports`` (CLI) or added by :func:`use_te_ep` (Python config). See
+docs/torchtitan.md.
+
+Nothing else in te_ep_torch imports this module or TorchTitan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Union
+
+import torch
+from torch import Tensor
+
+try:
+    from torchtitan.config.override import derive, override
+    from torchtitan.models.common.token_dispatcher import (
+        BaseEPTokenDispatcher,
+        LocalTokenDispatcher,
+        TorchAOTokenDispatcher,
+    )
+except ImportError as exc:  # pragma: no cover - exercised only without torchtitan
+    raise ImportError(
+        "te_ep_torch.integrations.torchtitan needs TorchTitan (tested with torchtitan==0.3.0): "
+        "pip install 'te_ep_torch[torchtitan]'"
+    ) from exc
+
+from ..autograd import ep_combine, ep_dispatch
+from ..group import BACKENDS, NCCL_EP_EXPERT_MULTIPLE, EpHandle
+from ..moe import GROUPED_MM_ALIGNMENT
+from ..parallel import ep_group_for
+
+__all__ = [
+    "OVERRIDE_TARGET",
+    "TeEpDispatchMetadata",
+    "TeEpTokenDispatcher",
+    "te_ep_dispatcher",
+    "use_te_ep",
+]
+
+# What a job lists in --override.imports to select this dispatcher.
+OVERRIDE_TARGET = f"{__name__}.te_ep_dispatcher"
+
+_DTYPES: Dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+
+
+def _dtype_name(dtype: Union[str, torch.dtype, None], what: str) -> Optional[str]:
+    """``dtype`` as one of the names in ``_DTYPES`` (a ``torch.dtype`` is accepted too)."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, torch.dtype):
+        for name, value in _DTYPES.items():
+            if value == dtype:
+                return name
+    elif dtype in _DTYPES:
+        return dtype
+    raise ValueError(f"{what}: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TeEpDispatchMetadata:
+    """What :meth:`TeEpTokenDispatcher.combine` needs from its dispatch.
+
+    Attributes:
+        handle: the layer's handle (holds the step's routing).
+        row_weights_R: ``[capacity]`` float32 routing score of each received row, 0 on
+            padding rows and unused capacity.
+        total: ``[1]`` int32 rows in use (zones, padding included).
+        num_tokens: ``T`` of the dispatch.
+    """
+
+    handle: EpHandle
+    row_weights_R: Tensor
+    total: Tensor
+    num_tokens: int
+
+
+class TeEpTokenDispatcher(BaseEPTokenDispatcher):
+    """TorchTitan token dispatcher on :func:`te_ep_torch.ep_dispatch` / :func:`~te_ep_torch.ep_combine`.
+
+    Without an EP mesh (expert parallelism off) it reorders tokens locally, exactly as
+    TorchTitan's all-to-all dispatcher does then.
+
+    ``dispatch`` returns ``rows [capacity, D]`` (expert-major zones of the local
+    experts, each padded with zero rows to a multiple of ``alignment``, then zero rows
+    up to ``capacity``), ``counts [E_local]`` int32 (zone sizes, padding included) and a
+    :class:`TeEpDispatchMetadata`. TorchTitan's ``GroupedExperts`` runs its grouped GEMM
+    over the zones; ``combine`` zeroes the rows past the zones (the grouped GEMM leaves
+    them unwritten), multiplies each row by its routing score in float32 (as TorchTitan
+    does) and sums the rows of each token in float32 (``ep_combine``).
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseEPTokenDispatcher.Config):
+        """Options of :class:`TeEpTokenDispatcher` (``num_experts``/``top_k`` as TorchTitan sets them).
+
+        Attributes:
+            hidden_dim: token width ``D``. ``None``: taken from the first batch.
+            num_max_tokens_per_rank: most tokens a rank passes to one dispatch
+                (``local_batch_size * seq_len / (cp * tp)`` in training). ``None``:
+                the first batch's token count, so a later larger batch raises.
+            dtype: dtype of the tokens entering the MoE layer (the FSDP
+                ``mixed_precision_param``); ``None`` means ``"bfloat16"``. A handle for it
+                is created when the EP mesh is wired if ``hidden_dim`` and
+                ``num_max_tokens_per_rank`` are known; tokens of another dtype get their
+                own handle on first use (eagerly).
+            alignment: zone alignment in rows (power of two): 16 keeps every group of
+                ``torch._grouped_mm`` 16-byte aligned for bf16, backward included.
+            capacity_factor: ``None``: the receive buffer holds the worst case (every
+                token of every rank on this rank's experts: no routing overflows it).
+                A float in (0, 1]: that fraction of the worst case's token rows (plus
+                zone padding); a step that needs more raises ``capacity overflow`` on
+                every rank (nothing is dropped silently).
+            backend: te_ep backend (``"auto"``: NCCL EP on Hopper+ GPUs where it loads,
+                else the torch.distributed ``"reference"`` backend).
+        """
+
+        hidden_dim: int | None = None
+        num_max_tokens_per_rank: int | None = None
+        dtype: str | torch.dtype | None = None
+        alignment: int = GROUPED_MM_ALIGNMENT
+        capacity_factor: float | None = None
+        backend: str = "auto"
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        _check_config(config, "TeEpTokenDispatcher")
+        self.hidden_dim = config.hidden_dim
+        self.num_max_tokens_per_rank = config.num_max_tokens_per_rank
+        self.dtype = _DTYPES[_dtype_name(config.dtype, "TeEpTokenDispatcher") or "bfloat16"]
+        self.alignment = config.alignment
+        self.capacity_factor = config.capacity_factor
+        self.backend = config.backend
+        self._handles: Dict[torch.dtype, EpHandle] = {}
+
+    # ---- set-up -------------------------------------------------------------------
+
+    def init_buffer(self) -> None:
+        """Creates the layer's handle now when its sizes are known (collective over the EP group).
+
+        Called by ``wire_meshes`` from ``RoutedExperts.parallelize``, before FSDP and
+        ``torch.compile`` are applied, which is where a compiled model needs it: handles
+        are made eagerly, never while tracing.
+        """
+        self._handles = {}
+        if self.ep_mesh is None or self.hidden_dim is None or self.num_max_tokens_per_rank is None:
+            return
+        self._create_handle(self.dtype, self.hidden_dim, self.num_max_tokens_per_rank)
+
+    def _create_handle(self, dtype: torch.dtype, hidden: int, max_tokens: int) -> EpHandle:
+        if self.ep_mesh is None:
+            raise RuntimeError("TeEpTokenDispatcher: no EP mesh; wire_meshes(ep_mesh=...) comes first")
+        # One EpGroup per (EP process group, sizes, backend), shared by the layers; the
+        # NCCL EP mode comes from $TE_EP_NCCL_EP_MODE (docs/nccl_ep.md).
+        group = ep_group_for(
+            self.ep_mesh, num_experts=self.num_experts, max_tokens_per_rank=max_tokens, backend=self.backend
+        )
+        capacity = None
+        if self.capacity_factor is not None:
+            per_rank = min(self.top_k, group.num_local_experts)
+            rows = math.ceil(self.capacity_factor * group.ep_size * max_tokens * per_rank)
+            rows += group.num_local_experts * (self.alignment - 1)
+            floor = -(-max_tokens // NCCL_EP_EXPERT_MULTIPLE) * NCCL_EP_EXPERT_MULTIPLE
+            capacity = min(max(rows, floor), group.worst_case_capacity(self.top_k, self.alignment))
+        handle = group.create_handle(
+            top_k=self.top_k, hidden=hidden, dtype=dtype, alignment=self.alignment, capacity=capacity
+        )
+        self.hidden_dim, self.num_max_tokens_per_rank = hidden, max_tokens
+        self._handles[dtype] = handle
+        return handle
+
+    def _handle_for(self, x_TD: Tensor) -> EpHandle:
+        num_tokens, hidden = x_TD.shape
+        handle = self._handles.get(x_TD.dtype)
+        if handle is None:
+            if torch.compiler.is_compiling():
+                raise RuntimeError(
+                    f"TeEpTokenDispatcher: no te_ep handle for {x_TD.dtype} tokens while torch.compile traces the "
+                    "layer; handles are created eagerly when the EP mesh is wired, so set the dispatcher's "
+                    f"hidden_dim, num_max_tokens_per_rank and dtype (got {self.hidden_dim}, "
+                    f"{self.num_max_tokens_per_rank}, {self.dtype}): te_ep_dispatcher(...) override kwargs or "
+                    "use_te_ep(trainer_config)"
+                )
+            handle = self._create_handle(
+                x_TD.dtype, self.hidden_dim or hidden, self.num_max_tokens_per_rank or num_tokens
+            )
+        if hidden != handle.config.hidden:
+            raise ValueError(
+                f"TeEpTokenDispatcher.dispatch: x_TD must have {handle.config.hidden} columns (hidden_dim), "
+                f"got shape {tuple(x_TD.shape)}"
+            )
+        if num_tokens > handle.group.max_tokens_per_rank:
+            raise ValueError(
+                f"TeEpTokenDispatcher.dispatch: x_TD has {num_tokens} tokens, more than num_max_tokens_per_rank="
+                f"{handle.group.max_tokens_per_rank}; set num_max_tokens_per_rank to the largest per-rank batch"
+            )
+        return handle
+
+    # ---- dispatch / combine ---------------------------------------------------------
+
+    def dispatch(
+        self,
+        x_TD: Tensor,
+        topk_scores_TK: Tensor,
+        topk_expert_ids_TK: Tensor,
+        num_local_tokens_per_expert_E: Tensor,
+    ):
+        """Sends each token to the ranks of its experts (collective over the EP group).
+
+        Returns ``(rows_RD, counts_e, metadata)`` with ``R = capacity``; see the class
+        docstring. ``num_local_tokens_per_expert_E`` is not needed: the routing
+        exchange counts what each rank receives.
+        """
+        if self.ep_mesh is None:
+            return LocalTokenDispatcher.dispatch(
+                self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E
+            )
+        del num_local_tokens_per_expert_E
+        handle = self._handle_for(x_TD)
+        out = ep_dispatch(
+            handle,
+            x_TD.contiguous(),
+            topk_expert_ids_TK.contiguous(),
+            topk_scores_TK.to(torch.float32).contiguous(),
+        )
+        metadata = TeEpDispatchMetadata(
+            handle=handle, row_weights_R=out.weights, total=out.total, num_tokens=x_TD.shape[0]
+        )
+        return out.tokens, out.expert_counts, metadata
+
+    def combine(self, routed_output_RD: Tensor, metadata, x_TD: Tensor) -> Tensor:
+        """Scores the expert rows and sums them back to their tokens (collective); ``[T, D]``."""
+        if self.ep_mesh is None:
+            return LocalTokenDispatcher.combine(self, routed_output_RD, metadata, x_TD)
+        if not isinstance(metadata, TeEpDispatchMetadata):
+            raise TypeError(
+                f"TeEpTokenDispatcher.combine: metadata must be the TeEpDispatchMetadata of this dispatcher's "
+                f"dispatch, got {type(metadata).__name__}"
+            )
+        rows = routed_output_RD.shape[0]
+        # Rows past the zones: torch._grouped_mm leaves them unwritten (garbage on GPU).
+        # Zeroing them before the product keeps NaN out of the score gradient too.
+        used = torch.arange(rows, device=routed_output_RD.device) < metadata.total
+        y = torch.where(used.unsqueeze(1), routed_output_RD, 0)
+        weighted = (y.float() * metadata.row_weights_R.unsqueeze(1)).to(routed_output_RD.dtype)
+        return ep_combine(metadata.handle, weighted, metadata.num_tokens)
+
+
+def _check_config(cfg: Any, what: str) -> None:
+    """Argument checks shared by the dispatcher and the override (ValueError naming the field)."""
+    for name in ("hidden_dim", "num_max_tokens_per_rank"):
+        value = getattr(cfg, name)
+        if value is not None and (not isinstance(value, int) or value <= 0):
+            raise ValueError(f"{what}: {name} must be a positive int or None, got {value!r}")
+    _dtype_name(cfg.dtype, what)
+    alignment = cfg.alignment
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"{what}: alignment must be a power of two, got {alignment!r}")
+    factor = cfg.capacity_factor
+    if factor is not None and not (isinstance(factor, (int, float)) and 0 < factor <= 1):
+        raise ValueError(f"{what}: capacity_factor must be None or a float in (0, 1], got {factor!r}")
+    if cfg.backend not in BACKENDS:
+        raise ValueError(f"{what}: backend must be one of {BACKENDS}, got {cfg.backend!r}")
+
+
+@override(
+    target=BaseEPTokenDispatcher.Config,
+    description="te_ep_torch token dispatch/combine (static capacity, no host sync)",
+)
+def te_ep_dispatcher(
+    cfg: BaseEPTokenDispatcher.Config,
+    *,
+    hidden_dim: Optional[int] = None,
+    num_max_tokens_per_rank: Optional[int] = None,
+    dtype: Optional[str] = None,
+    alignment: Optional[int] = None,
+    capacity_factor: Optional[float] = None,
+    backend: Optional[str] = None,
+) -> TeEpTokenDispatcher.Config:
+    """TorchTitan override: every EP token dispatcher config becomes a :class:`TeEpTokenDispatcher.Config`.
+
+    Activate with ``--override.imports te_ep_torch.integrations.torchtitan.te_ep_dispatcher``
+    (kwargs as JSON after ``=``, e.g. ``...te_ep_dispatcher={"num_max_tokens_per_rank": 8192,
+    "hidden_dim": 2048}``) or :func:`use_te_ep`. It replaces the all-to-all ("standard"),
+    DeepEP, HybridEP and MinimalAsyncEP dispatcher configs (keeping ``num_experts``,
+    ``top_k`` and, where the source has them, ``hidden_dim`` and
+    ``num_max_tokens_per_rank``); kwargs that are not ``None`` set the fields of
+    :class:`TeEpTokenDispatcher.Config`. The FP8/MXFP8 padded dispatcher
+    (``TorchAOTokenDispatcher``) is refused: te_ep has no FP8 path yet.
+    """
+    if isinstance(cfg, TorchAOTokenDispatcher.Config):
+        raise ValueError(
+            "te_ep_dispatcher: the model uses TorchAOTokenDispatcher (FP8/MXFP8 grouped GEMMs with padded token "
+            "groups); te_ep_torch's TorchTitan dispatcher does not support FP8 yet: drop the FP8/MXFP8 grouped "
+            "experts converter or this override"
+        )
+    deltas = {
+        name: value
+        for name, value in (
+            ("hidden_dim", hidden_dim),
+            ("num_max_tokens_per_rank", num_max_tokens_per_rank),
+            ("dtype", dtype),
+            ("alignment", alignment),
+            ("capacity_factor", capacity_factor),
+            ("backend", backend),
+        )
+        if value is not None
+    }
+    if isinstance(cfg, TeEpTokenDispatcher.Config):
+        new = dataclasses.replace(cfg, **deltas)
+    else:
+        new = derive(cfg, TeEpTokenDispatcher.Config, **deltas)
+    # A MinimalAsyncEP source carries a torch.dtype; keep the JSON-friendly name.
+    new.dtype = _dtype_name(new.dtype, "te_ep_dispatcher")
+    _check_config(new, "te_ep_dispatcher")
+    return new
+
+
+def use_te_ep(trainer_config: Any, **options: Any) -> Any:
+    """Selects :class:`TeEpTokenDispatcher` in a TorchTitan ``Trainer.Config`` (for ``config_registry`` functions).
+
+    Adds the :func:`te_ep_dispatcher` override with ``hidden_dim`` (the model's
+    ``dim``), ``num_max_tokens_per_rank`` (``local_batch_size * seq_len / (cp * tp)``,
+    as TorchTitan computes it for DeepEP) and ``dtype`` (``mixed_precision_param``)
+    filled in, so the handles exist before ``torch.compile`` traces the layers.
+    ``options`` (any :func:`te_ep_dispatcher` kwarg) take precedence. Returns the config.
+    """
+    training, parallelism = trainer_config.training, trainer_config.parallelism
+    shards = parallelism.context_parallel_degree * parallelism.tensor_parallel_degree
+    kwargs: Dict[str, Any] = {
+        "hidden_dim": trainer_config.model_spec.model.dim,
+        "num_max_tokens_per_rank": -(-training.local_batch_size * training.seq_len // shards),
+        "dtype": training.mixed_precision_param,
+    }
+    kwargs.update(options)
+    imports = trainer_config.override.imports
+    for entry in imports:
+        name = entry if isinstance(entry, str) else entry[0]
+        if name == OVERRIDE_TARGET:
+            raise ValueError(f"use_te_ep: {OVERRIDE_TARGET} is already in override.imports")
+    imports.append((OVERRIDE_TARGET, kwargs))
+    return trainer_config
