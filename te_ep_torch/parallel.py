@@ -63,12 +63,15 @@ def ep_group_for(
     max_tokens_per_rank: int,
     backend: str = "auto",
     device=None,
+    nccl_ep_mode: Optional[str] = None,
+    timeout=None,
 ) -> EpGroup:
     """The :class:`EpGroup` over a 1-D mesh's (or a process group's) ranks, shared by layers.
 
-    One group per ``(process group, num_experts, max_tokens_per_rank, backend, device)``
-    is created and cached, so the MoE layers of a model share it; each layer still
-    gets its own handle. :func:`shutdown_ep_groups` releases them.
+    One group per ``(process group, num_experts, max_tokens_per_rank, backend, device,
+    nccl_ep_mode, timeout)`` is created and cached, so the MoE layers of a model share it;
+    each layer still gets its own handle. :func:`shutdown_ep_groups` releases them.
+    ``nccl_ep_mode`` and ``timeout`` are :class:`EpGroup`'s.
     """
     if isinstance(mesh_or_group, DeviceMesh):
         if mesh_or_group.ndim != 1:
@@ -78,11 +81,13 @@ def ep_group_for(
             device = torch.device("cuda", torch.cuda.current_device())
     else:
         pg = mesh_or_group if mesh_or_group is not None else dist.group.WORLD
-    key = (pg.group_name, num_experts, max_tokens_per_rank, backend, None if device is None else str(device))
+    key = (pg.group_name, num_experts, max_tokens_per_rank, backend, None if device is None else str(device),
+           nccl_ep_mode, None if timeout is None else str(timeout))
     group = _EP_GROUPS.get(key)
     if group is None or group.closed:
         group = EpGroup(
-            pg, num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank, backend=backend, device=device
+            pg, num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank, backend=backend, device=device,
+            nccl_ep_mode=nccl_ep_mode, timeout=timeout,
         )
         _EP_GROUPS[key] = group
     return group

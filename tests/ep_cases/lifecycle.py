@@ -50,6 +50,12 @@ def case_group_api(ctx) -> None:
                    timeout=datetime.timedelta(seconds=42.5))
     assert g.timeout_ms == 42500, g.timeout_ms
     g.shutdown()
+    # ep_group_for caches one group per configuration, timeout and NCCL EP mode included.
+    shared = dict(num_experts=4 * W, max_tokens_per_rank=4, backend=ctx.backend, device=ctx.device)
+    g12 = te.ep_group_for(None, timeout=12.0, **shared)
+    assert g12.timeout_ms == 12000 and te.ep_group_for(None, timeout=12.0, **shared) is g12
+    assert te.ep_group_for(None, timeout=13.0, **shared) is not g12
+    te.shutdown_ep_groups()
     if torch.device(ctx.device).type == "cpu":
         g = te.EpGroup(None, num_experts=W, max_tokens_per_rank=4, backend="auto", device=ctx.device)
         assert g.backend == "reference", f"auto on CPU chose {g.backend!r}"
