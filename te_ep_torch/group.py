@@ -320,6 +320,12 @@ class EpGroup:
             _nccl_ep.release_group(self.group_name)
         self._closed = True
 
+    def check(self) -> None:
+        """:meth:`EpHandle.check` of every live handle of the group (waits for the GPU)."""
+        self.check_open()
+        for handle in list(self._handles.values()):
+            handle.check()
+
     def check_open(self) -> None:
         """Raises ``RuntimeError`` if :meth:`shutdown` ran (what the group's handles check too)."""
         if self._closed:
@@ -385,6 +391,23 @@ class EpHandle:
         their receive buffers per call from the caching allocator instead.
         """
         return {"window_bytes": self._window_bytes, "handle_mem_bytes": self._handle_mem_bytes}
+
+    @property
+    def check_mode(self) -> str:
+        """How bad routing and capacity overflow are caught (docs/ops.md, "Faults and bad input"):
+        ``"synchronous"`` (in the op, on every rank: the reference backend and ``nccl_ep`` with
+        ``TE_EP_CHECK_ROUTING=1``), ``"device"`` (``nccl_ep`` with ``TE_EP_DEVICE_CHECKS=1``:
+        agreed on the device, raised on every rank at the next ``prepare`` or :meth:`check`) or
+        ``"none"`` (``nccl_ep``'s default)."""
+        return ops.check_mode(self.id)
+
+    def check(self) -> None:
+        """Raises, on every rank alike, an error the device checks agreed on in an earlier step
+        that no op has raised yet; a no-op in the other check modes. Waits for the GPU: call it
+        where the training loop synchronizes anyway (e.g. when it reads the loss), or after a
+        CUDA graph's replay."""
+        if self._alive:
+            ops.check_handle(self.id)
 
     def combine_buffer(self) -> Optional[Tensor]:
         """Zero-copy mode: the ``[capacity, hidden]`` tensor that combine reads from.

@@ -27,6 +27,8 @@ __all__ = [
     "live_handles",
     "handle_info",
     "combine_buffer",
+    "check_mode",
+    "check_handle",
     "worst_case_capacity",
     "prepare",
     "dispatch",
@@ -82,6 +84,16 @@ def handle_info(handle_id: int) -> Tuple[str, str, int, int]:
     """``(mode, mode_reason, window_bytes, handle_mem_bytes)`` of a live handle."""
     mode, reason, window_bytes, handle_mem_bytes = torch.ops.te_ep.handle_info(handle_id)
     return mode, reason, int(window_bytes), int(handle_mem_bytes)
+
+
+def check_mode(handle_id: int) -> str:
+    """How a handle catches bad routing and overflow: ``"synchronous"``, ``"device"`` or ``"none"``."""
+    return str(torch.ops.te_ep.check_mode(handle_id))
+
+
+def check_handle(handle_id: int) -> None:
+    """Raises an error the ranks agreed on (device checks) that no op raised yet; waits for the GPU."""
+    torch.ops.te_ep.check_handle(handle_id)
 
 
 def combine_buffer(handle_id: int) -> Optional[Tensor]:

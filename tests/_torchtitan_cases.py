@@ -103,16 +103,17 @@ def _bias(scenario: str, ep: int) -> torch.Tensor:
     return bias
 
 
-def _build(ctx, pd: ParallelDims, dispatcher_cfg, *, dtype: torch.dtype, bias: torch.Tensor, fsdp: bool) -> MoE:
+def _build(ctx, pd: ParallelDims, dispatcher_cfg, *, dtype: torch.dtype, bias: torch.Tensor, fsdp: bool,
+           dim: int = DIM) -> MoE:
     cfg = MoE.Config(
         num_experts=NUM_EXPERTS,
         routed_experts=RoutedExperts.Config(
-            inner_experts=GroupedExperts.Config(dim=DIM, hidden_dim=FFN, num_experts=NUM_EXPERTS),
+            inner_experts=GroupedExperts.Config(dim=dim, hidden_dim=FFN, num_experts=NUM_EXPERTS),
             token_dispatcher=dispatcher_cfg,
         ),
         router=TokenChoiceTopKRouter.Config(
             num_experts=NUM_EXPERTS,
-            gate=Linear.Config(in_features=DIM, out_features=NUM_EXPERTS),
+            gate=Linear.Config(in_features=dim, out_features=NUM_EXPERTS),
             top_k=TOP_K,
             score_func="softmax",
         ),
@@ -200,6 +201,8 @@ def case_parity(
     compile_backend: str = "inductor",
     ours_spmd_backend: str = "partial_dtensor",
     batch: int = 1,
+    dim: int = DIM,
+    fp8: bool = False,
 ):
     """Ours vs TorchTitan's all-to-all dispatcher on the same weights and batch.
 
@@ -213,15 +216,15 @@ def case_parity(
     ours_pd = ref_pd if ours_spmd_backend == "partial_dtensor" else _parallel_dims(ctx, ep, ours_spmd_backend)
 
     ref = _build(ctx, ref_pd, AllToAllTokenDispatcher.Config(num_experts=NUM_EXPERTS, top_k=TOP_K),
-                 dtype=torch_dtype, bias=bias, fsdp=fsdp)
+                 dtype=torch_dtype, bias=bias, fsdp=fsdp, dim=dim)
     backend = "reference" if ctx.device == "cpu" else "auto"
     sizes = {}
     if compile:
         # Handles are created when the EP mesh is wired, before tracing: the sizes must be known.
-        sizes = dict(hidden_dim=DIM, num_max_tokens_per_rank=batch * SEQ, dtype=dtype)
+        sizes = dict(hidden_dim=dim, num_max_tokens_per_rank=batch * SEQ, dtype=dtype)
     ours_cfg = te_ep_dispatcher(AllToAllTokenDispatcher.Config(num_experts=NUM_EXPERTS, top_k=TOP_K),
-                                backend=backend, **sizes)
-    ours = _build(ctx, ours_pd, ours_cfg, dtype=torch_dtype, bias=bias, fsdp=fsdp)
+                                backend=backend, fp8_dispatch=fp8, **sizes)
+    ours = _build(ctx, ours_pd, ours_cfg, dtype=torch_dtype, bias=bias, fsdp=fsdp, dim=dim)
     dispatcher = ours.routed_experts.token_dispatcher
     if not isinstance(dispatcher, TeEpTokenDispatcher) or dispatcher.ep_mesh is None:
         raise AssertionError(f"the override did not give an EP-wired TeEpTokenDispatcher: {dispatcher!r}")
@@ -238,7 +241,7 @@ def case_parity(
         module = torch.compile(ours, backend=compile_backend, fullgraph=True)
 
     gen = torch.Generator().manual_seed(100 + ctx.rank)  # a different batch on every rank
-    x = torch.randn(batch, SEQ, DIM, generator=gen).to(device=ctx.device, dtype=torch_dtype)
+    x = torch.randn(batch, SEQ, dim, generator=gen).to(device=ctx.device, dtype=torch_dtype)
 
     ref_y, ref_gx, ref_g = _step(ref, x, ref_pd)
     our_y, our_gx, our_g = _step(ours, x, ours_pd, module)

@@ -1,6 +1,7 @@
 // Small kernels around NCCL EP calls: overflow bookkeeping after prepare,
-// zeroing of unused receive rows, copies into zero-copy windows, and the
-// debug routing check. Each is one
+// zeroing of unused receive rows, copies into zero-copy windows, the debug
+// routing check, and the device checks (routing and overflow agreed on the
+// device, poisoned steps zeroed). Each is one
 // launch on the caller's stream, with no host synchronisation, so the ops stay
 // capturable in a CUDA graph.
 #include "common/nccl_ep_wrap.h"
@@ -114,6 +115,103 @@ __global__ void check_routing_kernel(const Index* idx, int64_t num_tokens, int64
   }
 }
 
+// ---- device checks ------------------------------------------------------------
+
+template <typename Index>
+__global__ void check_routing_on_device_kernel(const Index* idx, int64_t num_tokens, int64_t top_k,
+                                               int64_t num_experts, HandleState* state) {
+  const int64_t token = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (token >= num_tokens) return;
+  const Index* row = idx + token * top_k;
+  for (int64_t k = 0; k < top_k; ++k) {
+    const int64_t expert = static_cast<int64_t>(row[k]);
+    int bits = (expert < -1 || expert >= num_experts) ? kBitOutOfRange : 0;
+    if (expert >= 0) {
+      for (int64_t j = 0; j < k; ++j) {
+        if (static_cast<int64_t>(row[j]) == expert) bits |= kBitRepeated;
+      }
+    }
+    if (bits != 0) {
+      atomicOr(&state->check_bits, bits);
+      atomicMin(&state->check_first_key, static_cast<int32_t>(token * top_k + k));
+    }
+  }
+}
+
+template <typename Index>
+__global__ void publish_routing_kernel(const Index* idx, int64_t top_k, int64_t rank, const HandleState* state,
+                                       int32_t* record) {
+  if (state->check_bits == 0) return;
+  const int32_t key = state->check_first_key;
+  int32_t* mine = record + rank * kRecordInts;
+  mine[kRecordBits] = state->check_bits;
+  mine[kRecordToken] = static_cast<int32_t>(key / top_k);
+  mine[kRecordChoice] = static_cast<int32_t>(key % top_k);
+  const int64_t value = static_cast<int64_t>(idx[key]);
+  mine[kRecordValue] = static_cast<int32_t>(max(min(value, static_cast<int64_t>(INT_MAX)),
+                                                static_cast<int64_t>(INT_MIN)));
+}
+
+__device__ bool any_failed(const int32_t* record, int64_t world) {
+  for (int64_t r = 0; r < world; ++r) {
+    if (record[r * kRecordInts + kRecordBits] != 0) return true;
+  }
+  return false;
+}
+
+// Keeps the first failing step's record for the host: sticky[0] is the flag.
+__device__ void keep_first(const int32_t* record, int64_t world, int32_t* sticky) {
+  if (sticky[0] != 0) return;
+  sticky[0] = 1;
+  for (int64_t i = 0; i < world * kRecordInts; ++i) sticky[1 + i] = record[i];
+}
+
+template <typename Index>
+__global__ void apply_routing_verdict_kernel(const Index* idx, Index* idx_out, int64_t n, const int32_t* record,
+                                             int64_t world, HandleState* state, int32_t* sticky) {
+  const bool failed = any_failed(record, world);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    idx_out[i] = failed ? static_cast<Index>(-1) : idx[i];
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    state->poisoned = failed ? 1 : 0;
+    if (failed) keep_first(record, world, sticky);
+  }
+}
+
+__global__ void publish_overflow_kernel(const HandleState* state, int64_t capacity, int64_t rank,
+                                        int32_t* overflow) {
+  const int64_t needed = state->recv_total_raw;
+  overflow[rank] = needed > capacity ? static_cast<int32_t>(needed) : 0;
+}
+
+__global__ void apply_overflow_verdict_kernel(const int32_t* overflow, int64_t world, HandleState* state,
+                                              int32_t* sticky) {
+  bool any = false;
+  for (int64_t r = 0; r < world; ++r) any = any || overflow[r] != 0;
+  if (!any) return;
+  state->poisoned = 1;
+  if (sticky[0] != 0) return;
+  sticky[0] = 1;
+  for (int64_t r = 0; r < world; ++r) {
+    int32_t* row = sticky + 1 + r * kRecordInts;
+    row[kRecordBits] = overflow[r] != 0 ? kBitOverflow : 0;
+    row[kRecordToken] = 0;
+    row[kRecordChoice] = 0;
+    row[kRecordValue] = overflow[r];
+  }
+}
+
+__global__ void zero_if_poisoned_kernel(const HandleState* state, uint4* data, int64_t vecs, int64_t tail_bytes) {
+  if (state->poisoned == 0) return;
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = first; i < vecs; i += stride) data[i] = zero;
+  if (first < tail_bytes) reinterpret_cast<uint8_t*>(data + vecs)[first] = 0;
+}
+
 int zero_fill_blocks(int64_t work_items) {
   // Enough blocks to fill an H100/H200 several times over; the grid-stride
   // loop covers the rest. Sized for the worst case (nothing received) because
@@ -175,6 +273,70 @@ void launch_check_routing(const void* topk_idx, bool is_int64, int64_t num_token
                                                                   top_k, num_experts, state);
   }
   check_launch("check_routing_kernel");
+}
+
+void launch_check_routing_on_device(const void* topk_idx, bool is_int64, int64_t num_tokens, int64_t top_k,
+                                    int64_t num_experts, HandleState* state, cudaStream_t stream) {
+  cudaMemsetAsync(&state->check_bits, 0, sizeof(int32_t), stream);
+  // 0x7f7f7f7f: larger than any key, so atomicMin finds the first.
+  cudaMemsetAsync(&state->check_first_key, 0x7f, sizeof(int32_t), stream);
+  if (num_tokens == 0) return;
+  const int threads = 256;
+  const int blocks = static_cast<int>((num_tokens + threads - 1) / threads);
+  if (is_int64) {
+    check_routing_on_device_kernel<int64_t><<<blocks, threads, 0, stream>>>(
+        static_cast<const int64_t*>(topk_idx), num_tokens, top_k, num_experts, state);
+  } else {
+    check_routing_on_device_kernel<int32_t><<<blocks, threads, 0, stream>>>(
+        static_cast<const int32_t*>(topk_idx), num_tokens, top_k, num_experts, state);
+  }
+  check_launch("check_routing_on_device_kernel");
+}
+
+void launch_publish_routing(const void* topk_idx, bool is_int64, int64_t top_k, int64_t rank,
+                            const HandleState* state, int32_t* record, cudaStream_t stream) {
+  if (is_int64) {
+    publish_routing_kernel<int64_t><<<1, 1, 0, stream>>>(static_cast<const int64_t*>(topk_idx), top_k, rank, state,
+                                                        record);
+  } else {
+    publish_routing_kernel<int32_t><<<1, 1, 0, stream>>>(static_cast<const int32_t*>(topk_idx), top_k, rank, state,
+                                                        record);
+  }
+  check_launch("publish_routing_kernel");
+}
+
+void launch_apply_routing_verdict(const void* topk_idx, void* idx_out, bool is_int64, int64_t n, const int32_t* record,
+                                  int64_t world, HandleState* state, int32_t* sticky, cudaStream_t stream) {
+  const int blocks = zero_fill_blocks(std::max<int64_t>(n, 1));
+  if (is_int64) {
+    apply_routing_verdict_kernel<int64_t><<<blocks, 256, 0, stream>>>(
+        static_cast<const int64_t*>(topk_idx), static_cast<int64_t*>(idx_out), n, record, world, state, sticky);
+  } else {
+    apply_routing_verdict_kernel<int32_t><<<blocks, 256, 0, stream>>>(
+        static_cast<const int32_t*>(topk_idx), static_cast<int32_t*>(idx_out), n, record, world, state, sticky);
+  }
+  check_launch("apply_routing_verdict_kernel");
+}
+
+void launch_publish_overflow(const HandleState* state, int64_t capacity, int64_t rank, int32_t* overflow,
+                             cudaStream_t stream) {
+  publish_overflow_kernel<<<1, 1, 0, stream>>>(state, capacity, rank, overflow);
+  check_launch("publish_overflow_kernel");
+}
+
+void launch_apply_overflow_verdict(const int32_t* overflow, int64_t world, HandleState* state, int32_t* sticky,
+                                   cudaStream_t stream) {
+  apply_overflow_verdict_kernel<<<1, 1, 0, stream>>>(overflow, world, state, sticky);
+  check_launch("apply_overflow_verdict_kernel");
+}
+
+void launch_zero_if_poisoned(const HandleState* state, void* ptr, int64_t bytes, cudaStream_t stream) {
+  if (bytes <= 0) return;
+  const int64_t vecs = bytes / static_cast<int64_t>(sizeof(uint4));
+  const int64_t tail = bytes - vecs * static_cast<int64_t>(sizeof(uint4));
+  zero_if_poisoned_kernel<<<zero_fill_blocks(std::max<int64_t>(vecs, 1)), 256, 0, stream>>>(
+      state, static_cast<uint4*>(ptr), vecs, tail);
+  check_launch("zero_if_poisoned_kernel");
 }
 
 }  // namespace nccl_ep

@@ -223,6 +223,7 @@ const RuntimeInfo& load(const std::string& nccl_ep_lib, const std::string& nccl_
   resolve(ep, "ncclGetUniqueId", &api.GetUniqueId, nccl_ep_lib);
   resolve(ep, "ncclCommInitRank", &api.CommInitRank, nccl_ep_lib);
   resolve(ep, "ncclCommDestroy", &api.CommDestroy, nccl_ep_lib);
+  resolve(ep, "ncclAllReduce", &api.AllReduce, nccl_ep_lib);
   resolve(ep, "ncclMemAlloc", &api.MemAlloc, nccl_ep_lib);
   resolve(ep, "ncclMemFree", &api.MemFree, nccl_ep_lib);
   resolve(ep, "ncclCommWindowRegister", &api.CommWindowRegister, nccl_ep_lib);

@@ -30,6 +30,8 @@ struct Api {
   decltype(&::ncclGetUniqueId) GetUniqueId = nullptr;
   decltype(&::ncclCommInitRank) CommInitRank = nullptr;
   decltype(&::ncclCommDestroy) CommDestroy = nullptr;
+  // The device checks' agreement (TE_EP_DEVICE_CHECKS=1).
+  decltype(&::ncclAllReduce) AllReduce = nullptr;
   // Symmetric windows of the zero-copy mode (NCCL >= 2.27).
   decltype(&::ncclMemAlloc) MemAlloc = nullptr;
   decltype(&::ncclMemFree) MemFree = nullptr;

@@ -145,6 +145,10 @@ Communicator::Window Communicator::register_window(size_t bytes) {
   return w;
 }
 
+void Communicator::all_reduce_sum(int32_t* data, size_t count, cudaStream_t stream) {
+  check_nccl(api().AllReduce(data, data, count, ncclInt32, ncclSum, comm_, stream), "ncclAllReduce (device checks)");
+}
+
 namespace {
 
 // max_num_sms caps every NCCL EP kernel, the local permute/dup and the

@@ -64,6 +64,9 @@ class Communicator {
   };
   Window register_window(size_t bytes);
 
+  // Sum all-reduce of `count` int32 in place, on `stream` (device checks).
+  void all_reduce_sum(int32_t* data, size_t count, cudaStream_t stream);
+
  private:
   ncclComm_t comm_ = nullptr;
   int device_ = -1;
@@ -189,7 +192,21 @@ struct HandleState {
   int32_t first_bad_token; // TE_EP_CHECK_ROUTING: lowest token index with an error
   int32_t dirty_recv;      // zero-copy: rows of the dispatch window that may hold old data
   int32_t dirty_combine;   // zero-copy: rows of the combine window that may hold old data
+  // Device checks (TE_EP_DEVICE_CHECKS=1), per step:
+  int32_t check_bits;      // this rank's routing: bit 0 out of range, bit 1 repeated
+  int32_t check_first_key; // lowest t * top_k + k with an error
+  int32_t poisoned;        // 1: this step's outputs are zeros (a rank's routing or capacity failed)
 };
+
+// Device checks: what each rank found in one step, gathered on every rank by a
+// sum all-reduce of [W][kRecordInts] int32 (a rank fills only its own row).
+constexpr int kRecordInts = 4;
+enum RecordField : int { kRecordBits = 0, kRecordToken = 1, kRecordChoice = 2, kRecordValue = 3 };
+// Bits of kRecordBits: routing (as routing_error) and capacity overflow, whose
+// kRecordValue is the receive rows the step needed.
+constexpr int32_t kBitOutOfRange = 1;
+constexpr int32_t kBitRepeated = 2;
+constexpr int32_t kBitOverflow = 4;
 
 // After ncclEpUpdateHandle: records overflow, writes the rows in use to
 // state->total and total_out, and clips expert_counts so that their prefix sums
@@ -219,6 +236,28 @@ void launch_copy_used_rows(const HandleState* state, const void* src, void* dst,
 // twice in a row. Resets and then fills state->routing_error/first_bad_token.
 void launch_check_routing(const void* topk_idx, bool is_int64, int64_t num_tokens, int64_t top_k,
                           int64_t num_experts, HandleState* state, cudaStream_t stream);
+
+// ---- device checks (TE_EP_DEVICE_CHECKS=1; nccl_ep_kernels.cu) -------------
+// One step of prepare: check_routing_on_device and publish_routing write this
+// rank's row of `record` (zeroed by the caller); after the all-reduce,
+// apply_routing_verdict writes topk_idx or, if any rank failed, all -1 into
+// idx_out (so every rank sends nothing), and keeps the first failing step's
+// record in `sticky` ([1 + W * kRecordInts]: a flag, then the record). After
+// ncclEpUpdateHandle and launch_finish_prepare, publish_overflow and, after
+// its all-reduce, apply_overflow_verdict do the same for capacity overflow,
+// which poisons the step: launch_zero_if_poisoned then zeroes its outputs.
+void launch_check_routing_on_device(const void* topk_idx, bool is_int64, int64_t num_tokens, int64_t top_k,
+                                    int64_t num_experts, HandleState* state, cudaStream_t stream);
+void launch_publish_routing(const void* topk_idx, bool is_int64, int64_t top_k, int64_t rank,
+                            const HandleState* state, int32_t* record, cudaStream_t stream);
+void launch_apply_routing_verdict(const void* topk_idx, void* idx_out, bool is_int64, int64_t n, const int32_t* record,
+                                  int64_t world, HandleState* state, int32_t* sticky, cudaStream_t stream);
+void launch_publish_overflow(const HandleState* state, int64_t capacity, int64_t rank, int32_t* overflow,
+                             cudaStream_t stream);
+void launch_apply_overflow_verdict(const int32_t* overflow, int64_t world, HandleState* state, int32_t* sticky,
+                                   cudaStream_t stream);
+// Zeroes `bytes` at `ptr` (16-byte aligned) if the step is poisoned.
+void launch_zero_if_poisoned(const HandleState* state, void* ptr, int64_t bytes, cudaStream_t stream);
 
 }  // namespace nccl_ep
 }  // namespace te_ep

@@ -81,6 +81,15 @@ class Backend {
       int64_t num_tokens) = 0;
   virtual at::Tensor combine_bwd(const at::Tensor& grad_out, const at::Tensor& handle_mem) = 0;
 
+  // How bad routing and capacity overflow are caught: "synchronous" (every op,
+  // host sync; the reference backend and TE_EP_CHECK_ROUTING=1), "device"
+  // (nccl_ep with TE_EP_DEVICE_CHECKS=1: agreed on the device, raised at the
+  // next prepare or raise_pending_errors) or "none" (nccl_ep's default).
+  virtual std::string check_mode() const { return "synchronous"; }
+  // Raises an error the device checks agreed on and the host has not raised
+  // yet (waits for the GPU); a no-op where errors are raised in the op.
+  virtual void raise_pending_errors() {}
+
   // Number of tokens of the last successful `prepare` (host-side record),
   // -1 before the first. Used to reject shape mismatches.
   virtual int64_t prepared_num_tokens(const at::Tensor& handle_mem) = 0;

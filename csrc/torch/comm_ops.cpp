@@ -297,6 +297,17 @@ std::tuple<std::string, std::string, int64_t, int64_t> handle_info(int64_t handl
           h->handle_mem_numel * static_cast<int64_t>(c10::elementSize(h->handle_mem_dtype))};
 }
 
+std::string check_mode(int64_t handle_id) { return lookup("check_mode", handle_id)->backend->check_mode(); }
+
+void check_handle(int64_t handle_id) {
+  auto h = lookup("check_handle", handle_id);
+  try {
+    h->backend->raise_pending_errors();
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, e.what_without_backtrace(), "\n(handle ", handle_id, " of group '", h->cfg.group_name, "')");
+  }
+}
+
 c10::optional<at::Tensor> combine_buffer(int64_t handle_id) {
   at::Tensor buffer = lookup("combine_buffer", handle_id)->backend->combine_buffer();
   if (!buffer.defined()) return c10::nullopt;
@@ -445,6 +456,8 @@ TORCH_LIBRARY_IMPL(te_ep, CompositeExplicitAutograd, m) {
   m.impl("live_handles", &live_handles);
   m.impl("handle_info", &handle_info);
   m.impl("combine_buffer", &combine_buffer);
+  m.impl("check_mode", &check_mode);
+  m.impl("check_handle", &check_handle);
   m.impl("worst_case_capacity", &worst_case_capacity_op);
 }
 

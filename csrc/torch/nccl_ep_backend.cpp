@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -259,18 +260,28 @@ class WindowRows {
 class NcclEpBackend final : public Backend {
  public:
   NcclEpBackend(const HandleConfig& cfg, std::shared_ptr<ne::Group> group, bool check_routing,
-                std::string mode_reason)
+                bool device_checks, std::string mode_reason)
       : cfg_(cfg),
         group_(std::move(group)),
         dtype_(to_dtype(cfg.dtype)),
         check_routing_(check_routing),
+        device_checks_(device_checks && !check_routing),
         zero_copy_(group_->config().zero_copy),
         mode_reason_(std::move(mode_reason)) {
     c10::cuda::CUDAGuard guard(cfg_.device);
-    state_ = at::zeros({static_cast<int64_t>(sizeof(ne::HandleState) / sizeof(int32_t))},
-                       at::TensorOptions().dtype(at::kInt).device(cfg_.device));
+    const auto ints = at::TensorOptions().dtype(at::kInt).device(cfg_.device);
+    state_ = at::zeros({static_cast<int64_t>(sizeof(ne::HandleState) / sizeof(int32_t))}, ints);
     overflow_host_ = at::zeros({2}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
     C10_CUDA_CHECK(cudaEventCreateWithFlags(&overflow_ready_, cudaEventDisableTiming));
+    if (device_checks_) {
+      // [W * kRecordInts] routing record, then [W] overflow record; the sticky
+      // record ([1 + W * kRecordInts]) and its host copy.
+      record_ = at::zeros({cfg_.ep_size * (ne::kRecordInts + 1)}, ints);
+      sticky_ = at::zeros({1 + cfg_.ep_size * ne::kRecordInts}, ints);
+      sticky_host_ = at::zeros({1 + cfg_.ep_size * ne::kRecordInts},
+                               at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+      C10_CUDA_CHECK(cudaEventCreateWithFlags(&sticky_ready_, cudaEventDisableTiming));
+    }
     if (zero_copy_) {
       // One registration holds both windows: the dispatch output, and the
       // combine side (combine input, combine_bwd output, dispatch_bwd input),
@@ -291,10 +302,14 @@ class NcclEpBackend final : public Backend {
       new at::Tensor(std::move(handle_mem_));
       new at::Tensor(std::move(state_));
       new at::Tensor(std::move(overflow_host_));
+      new at::Tensor(std::move(record_));
+      new at::Tensor(std::move(sticky_));
+      new at::Tensor(std::move(sticky_host_));
       return;
     }
     handle_.reset();
     if (overflow_ready_ != nullptr) cudaEventDestroy(overflow_ready_);
+    if (sticky_ready_ != nullptr) cudaEventDestroy(sticky_ready_);
   }
 
   at::Tensor allocate_handle_mem() override {
@@ -355,11 +370,16 @@ class NcclEpBackend final : public Backend {
     c10::cuda::CUDAGuard guard(cfg_.device);
     cudaStream_t stream = current_stream();
     const bool capturing = is_capturing(stream);
-    if (!capturing) raise_overflow_seen_earlier();
+    if (device_checks_) {
+      if (!capturing) raise_agreed_error(/*wait=*/true);
+    } else if (!capturing) {
+      raise_overflow_seen_earlier();
+    }
 
-    const at::Tensor idx = topk_idx.contiguous();
+    at::Tensor idx = topk_idx.contiguous();
     const int64_t num_tokens = idx.size(0);
     const int64_t top_k = idx.size(1);
+    if (device_checks_) idx = agree_on_routing(idx, stream);
 
     const auto int_options = at::TensorOptions().dtype(at::kInt).device(cfg_.device);
     at::Tensor expert_counts = at::empty({cfg_.num_local_experts()}, int_options);
@@ -368,7 +388,15 @@ class NcclEpBackend final : public Backend {
                     cfg_.num_local_experts(), &state()->recv_total_raw, stream);
     ne::launch_finish_prepare(state(), expert_counts.data_ptr<int32_t>(), cfg_.num_local_experts(),
                               total.data_ptr<int32_t>(), cfg_.capacity, stream);
-    if (check_routing_) {
+    if (device_checks_) {
+      agree_on_overflow(stream);
+      if (!capturing) {
+        C10_CUDA_CHECK(cudaMemcpyAsync(sticky_host_.data_ptr(), sticky_.data_ptr(), sticky_.nbytes(),
+                                       cudaMemcpyDeviceToHost, stream));
+        C10_CUDA_CHECK(cudaEventRecord(sticky_ready_, stream));
+        sticky_pending_ = true;
+      }
+    } else if (check_routing_) {
       check_overflow_now(stream);
     } else if (!capturing) {
       C10_CUDA_CHECK(cudaMemcpyAsync(overflow_host_.data_ptr(), &state()->overflow, 2 * sizeof(int32_t),
@@ -397,12 +425,15 @@ class NcclEpBackend final : public Backend {
       // only those (tracked on the device) need zeroing.
       ne::launch_zero_unused_rows(state(), recv_window_.ptr(), row_bytes(), recv_weights.data_ptr<float>(),
                                   cfg_.capacity, &state()->dirty_recv, stream);
-      return {recv_window_.hand_out(), recv_weights};
+      at::Tensor recv_tokens = recv_window_.hand_out();
+      zero_if_poisoned({recv_tokens, recv_weights}, stream);
+      return {recv_tokens, recv_weights};
     }
     at::Tensor recv_tokens = at::empty({cfg_.capacity, cfg_.hidden}, x.options());
     handle_->dispatch_forward(x.data_ptr(), dtype_, x.size(0), cfg_.hidden, w.data_ptr<float>(), w.size(1),
                               ne::Rows::plain(recv_tokens.data_ptr()), recv_weights.data_ptr<float>(), stream);
     zero_tail_if_needed(recv_tokens, recv_weights.data_ptr<float>(), stream);
+    zero_if_poisoned({recv_tokens, recv_weights}, stream);
     return {recv_tokens, recv_weights};
   }
 
@@ -452,6 +483,7 @@ class NcclEpBackend final : public Backend {
     if (zero_copy_) {
       ne::launch_mark_dirty_rows(state(), &state()->dirty_recv, cfg_.capacity, /*whole=*/true, stream);
     }
+    zero_if_poisoned({recv_values, recv_scales, recv_weights}, stream);
     return {recv_values, recv_scales, recv_weights};
   }
 
@@ -466,9 +498,11 @@ class NcclEpBackend final : public Backend {
     if (zero_copy_) {
       fill_combine_window(y, stream);
       handle_->combine_forward(combine_window_.rows(), dtype_, cfg_.hidden, out.data_ptr(), num_tokens, stream);
-      return out;
+    } else {
+      handle_->combine_forward(ne::Rows::plain(y.data_ptr()), dtype_, cfg_.hidden, out.data_ptr(), num_tokens,
+                               stream);
     }
-    handle_->combine_forward(ne::Rows::plain(y.data_ptr()), dtype_, cfg_.hidden, out.data_ptr(), num_tokens, stream);
+    zero_if_poisoned({out}, stream);
     return out;
   }
 
@@ -491,6 +525,7 @@ class NcclEpBackend final : public Backend {
     }
     handle_->combine_backward(rows, gw.data_ptr<float>(), dtype_, cfg_.hidden, grad_tokens.data_ptr(),
                               grad_weights.data_ptr<float>(), num_tokens, cfg_.top_k, stream);
+    zero_if_poisoned({grad_tokens, grad_weights}, stream);
     return {grad_tokens, grad_weights};
   }
 
@@ -505,18 +540,38 @@ class NcclEpBackend final : public Backend {
       handle_->dispatch_backward(g.data_ptr(), dtype_, g.size(0), cfg_.hidden, combine_window_.rows(), stream);
       ne::launch_zero_unused_rows(state(), combine_window_.ptr(), row_bytes(), nullptr, cfg_.capacity,
                                   &state()->dirty_combine, stream);
-      return combine_window_.hand_out();
+      at::Tensor recv = combine_window_.hand_out();
+      zero_if_poisoned({recv}, stream);
+      return recv;
     }
     at::Tensor recv = at::empty({cfg_.capacity, cfg_.hidden}, g.options());
     handle_->dispatch_backward(g.data_ptr(), dtype_, g.size(0), cfg_.hidden, ne::Rows::plain(recv.data_ptr()),
                                stream);
     zero_tail_if_needed(recv, nullptr, stream);
+    zero_if_poisoned({recv}, stream);
     return recv;
   }
 
   int64_t prepared_num_tokens(const at::Tensor& handle_mem) override {
     (void)handle_mem;
     return prepared_num_tokens_;
+  }
+
+  std::string check_mode() const override {
+    return check_routing_ ? "synchronous" : device_checks_ ? "device" : "none";
+  }
+
+  void raise_pending_errors() override {
+    if (!device_checks_) return;
+    c10::cuda::CUDAGuard guard(cfg_.device);
+    cudaStream_t stream = current_stream();
+    TORCH_CHECK(!is_capturing(stream), "te_ep: EpHandle.check() waits for the GPU and cannot run under CUDA graph "
+                "capture; call it after the graph's replay");
+    C10_CUDA_CHECK(cudaMemcpyAsync(sticky_host_.data_ptr(), sticky_.data_ptr(), sticky_.nbytes(),
+                                   cudaMemcpyDeviceToHost, stream));
+    C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+    sticky_pending_ = true;
+    raise_agreed_error(/*wait=*/false);
   }
 
  private:
@@ -579,6 +634,77 @@ class NcclEpBackend final : public Backend {
     return t;
   }
 
+  // Device checks: every rank checks its routing, the ranks' findings are
+  // summed into one record on every rank (a rank fills only its own row), and
+  // if any rank failed every rank sends nothing this step (all ids -1).
+  at::Tensor agree_on_routing(const at::Tensor& idx, cudaStream_t stream) {
+    const bool is_int64 = idx.scalar_type() == at::kLong;
+    const int64_t routing_ints = cfg_.ep_size * ne::kRecordInts;
+    C10_CUDA_CHECK(cudaMemsetAsync(record_.data_ptr(), 0, record_.nbytes(), stream));
+    ne::launch_check_routing_on_device(idx.data_ptr(), is_int64, idx.size(0), idx.size(1), cfg_.num_experts, state(),
+                                       stream);
+    ne::launch_publish_routing(idx.data_ptr(), is_int64, idx.size(1), cfg_.rank, state(),
+                               record_.data_ptr<int32_t>(), stream);
+    group_->comm()->all_reduce_sum(record_.data_ptr<int32_t>(), static_cast<size_t>(routing_ints), stream);
+    at::Tensor agreed = at::empty_like(idx);
+    ne::launch_apply_routing_verdict(idx.data_ptr(), agreed.data_ptr(), is_int64, idx.numel(),
+                                     record_.data_ptr<int32_t>(), cfg_.ep_size, state(), sticky_.data_ptr<int32_t>(),
+                                     stream);
+    return agreed;
+  }
+
+  // The same for capacity overflow, known after ncclEpUpdateHandle: if any
+  // rank overflows, the step is poisoned (its outputs are zeroed) everywhere.
+  void agree_on_overflow(cudaStream_t stream) {
+    int32_t* overflow = record_.data_ptr<int32_t>() + cfg_.ep_size * ne::kRecordInts;
+    ne::launch_publish_overflow(state(), cfg_.capacity, cfg_.rank, overflow, stream);
+    group_->comm()->all_reduce_sum(overflow, static_cast<size_t>(cfg_.ep_size), stream);
+    ne::launch_apply_overflow_verdict(overflow, cfg_.ep_size, state(), sticky_.data_ptr<int32_t>(), stream);
+  }
+
+  void zero_if_poisoned(std::initializer_list<at::Tensor> outputs, cudaStream_t stream) {
+    if (!device_checks_) return;
+    for (const at::Tensor& t : outputs) ne::launch_zero_if_poisoned(state(), t.data_ptr(), t.nbytes(), stream);
+  }
+
+  // Raises the agreed error of an earlier step, identically on every rank: the
+  // sticky record every rank holds is the same. `wait`: the host waits for the
+  // copy made after that step's prepare (long done by the next step's).
+  void raise_agreed_error(bool wait) {
+    if (!sticky_pending_) return;
+    if (wait) C10_CUDA_CHECK(cudaEventSynchronize(sticky_ready_));
+    sticky_pending_ = false;
+    const int32_t* host = sticky_host_.data_ptr<int32_t>();
+    if (host[0] == 0) return;
+    const std::string message = agreed_error_message(host + 1);
+    C10_CUDA_CHECK(cudaMemsetAsync(sticky_.data_ptr(), 0, sticky_.nbytes(), current_stream()));
+    TORCH_CHECK(false, message);
+  }
+
+  std::string agreed_error_message(const int32_t* record) const {
+    std::ostringstream msg;
+    msg << "te_ep.prepare: an earlier step of this handle failed on the device checks of every rank "
+           "(TE_EP_DEVICE_CHECKS=1); that step sent nothing or returned zeros, and no rank used its outputs as "
+           "valid:";
+    for (int64_t r = 0; r < cfg_.ep_size; ++r) {
+      const int32_t* row = record + r * ne::kRecordInts;
+      const int32_t bits = row[ne::kRecordBits];
+      if (bits == 0) continue;
+      msg << "\n  rank " << r << ": ";
+      if (bits & ne::kBitOverflow) {
+        msg << "capacity overflow: the routing needs " << row[ne::kRecordValue]
+            << " receive rows but the handle's capacity is " << cfg_.capacity
+            << " (create the handle with a larger capacity, at most EpGroup.worst_case_capacity)";
+        continue;
+      }
+      msg << "topk_idx[" << row[ne::kRecordToken] << ", " << row[ne::kRecordChoice] << "] = " << row[ne::kRecordValue];
+      if (bits & ne::kBitOutOfRange) msg << " (an expert id outside [-1, " << cfg_.num_experts << "))";
+      if (bits & ne::kBitRepeated) msg << (bits & ne::kBitOutOfRange ? "; " : " (") << "the same expert twice in a row"
+                                       << (bits & ne::kBitOutOfRange ? "" : ")");
+    }
+    return msg.str();
+  }
+
   void reset_overflow(cudaStream_t stream) {
     C10_CUDA_CHECK(cudaMemsetAsync(&state()->overflow, 0, 2 * sizeof(int32_t), stream));
   }
@@ -632,6 +758,7 @@ class NcclEpBackend final : public Backend {
   std::shared_ptr<ne::Group> group_;
   ne::DType dtype_;
   bool check_routing_;
+  bool device_checks_;
   bool zero_copy_;
   std::string mode_reason_;
   int64_t window_bytes_ = 0;
@@ -643,11 +770,16 @@ class NcclEpBackend final : public Backend {
   at::Tensor overflow_host_;
   cudaEvent_t overflow_ready_ = nullptr;
   bool overflow_pending_ = false;
+  at::Tensor record_;
+  at::Tensor sticky_;
+  at::Tensor sticky_host_;
+  cudaEvent_t sticky_ready_ = nullptr;
+  bool sticky_pending_ = false;
   int64_t prepared_num_tokens_ = -1;
 };
 
-bool check_routing_requested() {
-  const char* value = std::getenv("TE_EP_CHECK_ROUTING");
+bool env_flag(const char* name) {
+  const char* value = std::getenv(name);
   return value != nullptr && std::string(value) == "1";
 }
 
@@ -739,7 +871,8 @@ std::unique_ptr<Backend> make_nccl_ep_backend(const HandleConfig& cfg) {
   const GroupKey key{cfg.num_experts, send_budget, cfg.capacity, row_bytes, cfg.capacity < worst_case, zero_copy,
                      cfg.timeout_ms};
   auto group = registry().group_for(cfg, pg, key);
-  return std::make_unique<NcclEpBackend>(cfg, std::move(group), check_routing_requested(), mode_reason);
+  return std::make_unique<NcclEpBackend>(cfg, std::move(group), env_flag("TE_EP_CHECK_ROUTING"),
+                                         env_flag("TE_EP_DEVICE_CHECKS"), mode_reason);
 }
 
 void release_nccl_ep_group(const std::string& group_name) { registry().release(group_name); }

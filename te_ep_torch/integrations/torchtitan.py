@@ -50,9 +50,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without torchtit
         "pip install 'te_ep_torch[torchtitan]'"
     ) from exc
 
-from ..autograd import ep_combine, ep_dispatch
+from ..autograd import ep_combine, ep_dispatch, ep_dispatch_fp8
 from ..group import BACKENDS, NCCL_EP_EXPERT_MULTIPLE, EpHandle
 from ..moe import GROUPED_MM_ALIGNMENT
+from ..ops import FP8_BLOCK
 from ..parallel import ep_group_for
 
 __all__ = [
@@ -142,6 +143,10 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
                 every rank (nothing is dropped silently).
             backend: te_ep backend (``"auto"``: NCCL EP on Hopper+ GPUs where it loads,
                 else the torch.distributed ``"reference"`` backend).
+            fp8_dispatch: send the tokens as block-scaled FP8 (e4m3 and a float32 scale
+                per 128 values, :func:`te_ep_torch.ep_dispatch_fp8`) and dequantize them
+                before TorchTitan's grouped experts; combine and the backward stay in the
+                tokens' dtype. ``hidden_dim`` a multiple of 128 (512 on ``nccl_ep``).
         """
 
         hidden_dim: int | None = None
@@ -150,6 +155,7 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
         alignment: int = GROUPED_MM_ALIGNMENT
         capacity_factor: float | None = None
         backend: str = "auto"
+        fp8_dispatch: bool = False
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -160,6 +166,7 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
         self.alignment = config.alignment
         self.capacity_factor = config.capacity_factor
         self.backend = config.backend
+        self.fp8_dispatch = config.fp8_dispatch
         self._handles: Dict[torch.dtype, EpHandle] = {}
 
     # ---- set-up -------------------------------------------------------------------
@@ -192,7 +199,8 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
             floor = -(-max_tokens // NCCL_EP_EXPERT_MULTIPLE) * NCCL_EP_EXPERT_MULTIPLE
             capacity = min(max(rows, floor), group.worst_case_capacity(self.top_k, self.alignment))
         handle = group.create_handle(
-            top_k=self.top_k, hidden=hidden, dtype=dtype, alignment=self.alignment, capacity=capacity
+            top_k=self.top_k, hidden=hidden, dtype=dtype, alignment=self.alignment, capacity=capacity,
+            dispatch_dtype=torch.float8_e4m3fn if self.fp8_dispatch else None,
         )
         self.hidden_dim, self.num_max_tokens_per_rank = hidden, max_tokens
         self._handles[dtype] = handle
@@ -246,16 +254,18 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
             )
         del num_local_tokens_per_expert_E
         handle = self._handle_for(x_TD)
-        out = ep_dispatch(
-            handle,
-            x_TD.contiguous(),
-            topk_expert_ids_TK.contiguous(),
-            topk_scores_TK.to(torch.float32).contiguous(),
-        )
+        args = (handle, x_TD.contiguous(), topk_expert_ids_TK.contiguous(),
+                topk_scores_TK.to(torch.float32).contiguous())
+        if self.fp8_dispatch:
+            out = ep_dispatch_fp8(*args)
+            rows = out.dequantize(x_TD.dtype)
+        else:
+            out = ep_dispatch(*args)
+            rows = out.tokens
         metadata = TeEpDispatchMetadata(
             handle=handle, row_weights_R=out.weights, total=out.total, num_tokens=x_TD.shape[0]
         )
-        return out.tokens, out.expert_counts, metadata
+        return rows, out.expert_counts, metadata
 
     def combine(self, routed_output_RD: Tensor, metadata, x_TD: Tensor) -> Tensor:
         """Scores the expert rows and sums them back to their tokens (collective); ``[T, D]``."""
@@ -290,6 +300,11 @@ def _check_config(cfg: Any, what: str) -> None:
         raise ValueError(f"{what}: capacity_factor must be None or a float in (0, 1], got {factor!r}")
     if cfg.backend not in BACKENDS:
         raise ValueError(f"{what}: backend must be one of {BACKENDS}, got {cfg.backend!r}")
+    if not isinstance(cfg.fp8_dispatch, bool):
+        raise ValueError(f"{what}: fp8_dispatch must be a bool, got {cfg.fp8_dispatch!r}")
+    if cfg.fp8_dispatch and cfg.hidden_dim is not None and cfg.hidden_dim % FP8_BLOCK:
+        raise ValueError(f"{what}: fp8_dispatch scales blocks of {FP8_BLOCK} values, so hidden_dim must be a "
+                         f"multiple of {FP8_BLOCK}, got {cfg.hidden_dim}")
 
 
 @override(
@@ -305,6 +320,7 @@ def te_ep_dispatcher(
     alignment: Optional[int] = None,
     capacity_factor: Optional[float] = None,
     backend: Optional[str] = None,
+    fp8_dispatch: Optional[bool] = None,
 ) -> TeEpTokenDispatcher.Config:
     """TorchTitan override: every EP token dispatcher config becomes a :class:`TeEpTokenDispatcher.Config`.
 
@@ -315,13 +331,15 @@ def te_ep_dispatcher(
     ``top_k`` and, where the source has them, ``hidden_dim`` and
     ``num_max_tokens_per_rank``); kwargs that are not ``None`` set the fields of
     :class:`TeEpTokenDispatcher.Config`. The FP8/MXFP8 padded dispatcher
-    (``TorchAOTokenDispatcher``) is refused: te_ep has no FP8 path yet.
+    (``TorchAOTokenDispatcher``, for TorchAO's FP8 grouped GEMMs) is refused; te_ep's own
+    FP8 is ``fp8_dispatch=True`` (FP8 on the link, bf16 grouped GEMMs).
     """
     if isinstance(cfg, TorchAOTokenDispatcher.Config):
         raise ValueError(
             "te_ep_dispatcher: the model uses TorchAOTokenDispatcher (FP8/MXFP8 grouped GEMMs with padded token "
-            "groups); te_ep_torch's TorchTitan dispatcher does not support FP8 yet: drop the FP8/MXFP8 grouped "
-            "experts converter or this override"
+            "groups), which te_ep_torch's TorchTitan dispatcher does not serve: drop the FP8/MXFP8 grouped "
+            "experts converter or this override (te_ep's FP8 dispatch is the fp8_dispatch=True option: FP8 "
+            "tokens on the link, the experts' own GEMMs)"
         )
     deltas = {
         name: value
@@ -332,6 +350,7 @@ def te_ep_dispatcher(
             ("alignment", alignment),
             ("capacity_factor", capacity_factor),
             ("backend", backend),
+            ("fp8_dispatch", fp8_dispatch),
         )
         if value is not None
     }

@@ -459,3 +459,77 @@ def case_stale_backward(ctx) -> None:
     run_exact_step(ctx, group, handle, st, ctx.rank, W, tag="after stale backward: ")
     group.shutdown()
 
+
+
+def _agreed_error(ctx, call: Callable, expected: Sequence[str]) -> None:
+    """`call` raises on every rank the same agreed message (device checks name every
+    failing rank themselves), containing each of `expected`."""
+    try:
+        call()
+    except RuntimeError as e:
+        msg = str(e)
+    else:
+        raise AssertionError(f"rank {ctx.rank}: no error raised")
+    missing = [s for s in expected if s not in msg]
+    assert not missing, f"rank {ctx.rank}: message lacks {missing}: {msg!r}"
+
+
+def case_device_checks(ctx) -> None:
+    """nccl_ep with TE_EP_DEVICE_CHECKS=1 (docs/ops.md, "Faults and bad input"): a step whose
+    routing is bad on one rank runs on every rank without raising, sends nothing (zero
+    outputs), and the agreed error is raised on every rank by EpHandle.check() or by the
+    next prepare, naming the rank and the value; a capacity overflow on one rank zeroes the
+    step's outputs everywhere and is raised the same way; good steps before and after are
+    exact."""
+    import os
+
+    W, last = ctx.world_size, ctx.rank == ctx.world_size - 1
+    dev = torch.device(ctx.device)
+    os.environ["TE_EP_DEVICE_CHECKS"] = "1"
+    try:
+        group = make_group(ctx, ERROR_STEP)
+        handle = group.create_handle(top_k=ERROR_STEP.top_k, hidden=ERROR_STEP.hidden,
+                                     dtype=ERROR_STEP.torch_dtype())
+    finally:
+        del os.environ["TE_EP_DEVICE_CHECKS"]
+    assert handle.check_mode == "device", handle.check_mode
+    run_exact_step(ctx, group, handle, ERROR_STEP, ctx.rank, W, tag="device checks, before: ")
+    handle.check()  # nothing to raise
+
+    idx_all, w_all = all_inputs(ERROR_STEP, W)
+    E = group.num_experts
+    idx = idx_all[ctx.rank].clone()
+    if last:
+        idx[3, 0] = E
+    x = fingerprint(ctx.rank, idx.shape[0], ERROR_STEP.hidden, ERROR_STEP.torch_dtype()).to(dev)
+
+    def bad_step():
+        out = te.ep_dispatch(handle, x, idx.to(dev), w_all[ctx.rank].to(dev))
+        y = te.ep_combine(handle, out.tokens * out.weights[:, None].to(out.tokens.dtype), x.shape[0])
+        return out, y
+
+    out, y = bad_step()  # no rank raises in the bad step itself
+    assert int(out.total.item()) == 0 and not out.tokens.any() and not y.any(), "a failed step must move nothing"
+    expected = [f"rank {W - 1}: topk_idx[3, 0] = {E}", f"outside [-1, {E})", f"handle {handle.id}"]
+    _agreed_error(ctx, handle.check, expected)
+    run_exact_step(ctx, group, handle, ERROR_STEP, ctx.rank, W, tag="device checks, after check(): ")
+
+    bad_step()
+    _agreed_error(ctx, lambda: handle.prepare(idx_all[ctx.rank].to(dev)), expected)  # the next call raises
+    run_exact_step(ctx, group, handle, ERROR_STEP, ctx.rank, W, tag="device checks, after prepare raised: ")
+
+    # Capacity overflow on rank 0 only (every choice goes there): zeros everywhere, then the error.
+    hot = Step(top_k=2, hidden=16, tokens=(8,), mode="only_rank0", seed=5, max_tokens=ERROR_STEP.max_tokens)
+    cap = max(2 * W, nccl_ep_capacity_floor(group.max_tokens_per_rank))
+    os.environ["TE_EP_DEVICE_CHECKS"] = "1"
+    try:
+        small = group.create_handle(top_k=2, hidden=16, dtype=torch.bfloat16, capacity=cap)
+    finally:
+        del os.environ["TE_EP_DEVICE_CHECKS"]
+    idx_all, w_all = all_inputs(hot, W)
+    x = fingerprint(ctx.rank, 8, 16, torch.bfloat16).to(dev)
+    out = te.ep_dispatch(small, x, idx_all[ctx.rank].to(dev), w_all[ctx.rank].to(dev))
+    y = te.ep_combine(small, out.tokens * out.weights[:, None].to(out.tokens.dtype), x.shape[0])
+    assert not out.tokens.any() and not out.weights.any() and not y.any(), "an overflowing step must return zeros"
+    _agreed_error(ctx, small.check, ["rank 0: capacity overflow", f"capacity is {cap}"])
+    group.shutdown()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,11 @@ def case_group_api(ctx) -> None:
         else:
             raise AssertionError("HandleConfig is not frozen")
         assert h.id in torch.ops.te_ep.live_handles()
+        sync = g.backend == "reference" or os.environ.get("TE_EP_CHECK_ROUTING") == "1"
+        expected_mode = "synchronous" if sync else "device" if os.environ.get("TE_EP_DEVICE_CHECKS") == "1" else "none"
+        assert h.check_mode == expected_mode, (h.check_mode, expected_mode)
+        h.check()
+        g.check()
         g.shutdown()
         assert h.id not in torch.ops.te_ep.live_handles()
     g = te.EpGroup(None, num_experts=4 * W, max_tokens_per_rank=4, backend=ctx.backend, device=ctx.device,
