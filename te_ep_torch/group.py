@@ -260,7 +260,10 @@ class EpGroup:
             alignment: per-expert zone alignment in rows (power of two), e.g. what
                 the grouped GEMM after dispatch needs.
             capacity: rows of the receive buffer; ``None`` means
-                :meth:`worst_case_capacity`. A step that needs more raises on every rank.
+                :meth:`worst_case_capacity` (on ``nccl_ep`` at least ``max_tokens_per_rank``
+                rounded up to a multiple of 4, NCCL EP's floor, which the worst case of
+                ``top_k=1`` at EP size 1 can fall below). A step that needs more raises on
+                every rank.
             dispatch_dtype: ``torch.float8_e4m3fn`` lets the handle dispatch block-scaled
                 FP8 rows as well (:func:`te_ep_torch.ep_dispatch_fp8`; ``hidden`` a multiple
                 of 128, of 512 on ``nccl_ep``); combine and all gradients stay in ``dtype``.
@@ -288,7 +291,12 @@ class EpGroup:
                         f"multiple of {ops.FP8_BLOCK}, got hidden={hidden}"
                     )
             if capacity is None:
-                return self.worst_case_capacity(top_k, alignment)
+                worst = self.worst_case_capacity(top_k, alignment)
+                if self.backend == "nccl_ep":
+                    # NCCL EP's receive budget may not be below its send budget (its floor).
+                    floor = -(-self.max_tokens_per_rank // NCCL_EP_EXPERT_MULTIPLE) * NCCL_EP_EXPERT_MULTIPLE
+                    return max(worst, floor)
+                return worst
             if not isinstance(capacity, int) or capacity <= 0:
                 raise ValueError(f"create_handle: capacity must be a positive int, got {capacity!r}")
             return capacity

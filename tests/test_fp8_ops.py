@@ -148,3 +148,30 @@ def test_compiles_fullgraph():
     torch._dynamo.reset()
     got = torch.compile(roundtrip, fullgraph=True, backend="aot_eager")(x)
     assert torch.equal(got, roundtrip(x))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_midpoints_under_a_scale_without_exact_reciprocal(device):
+    """Scale 3 (amax 1344): x / 3 lands exactly on e4m3 midpoints, where x * (1/3) may not; the
+    values must be the round-to-nearest-even of the exact quotient, as in the reference."""
+    codes = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mid = (codes[:-1] + codes[1:]) / 2  # at most 5 significant bits: times 3 is exact
+    vals = torch.cat([mid, -mid, codes]) * 3
+    n = -(-vals.numel() // (BLOCK - 1)) * (BLOCK - 1)
+    rows = torch.cat([vals, torch.zeros(n - vals.numel())]).reshape(-1, BLOCK - 1)
+    x = torch.cat([torch.full((rows.shape[0], 1), 1344.0), rows], dim=1)
+    q, s = te.quantize_fp8(x.to(device))
+    assert torch.equal(s.cpu(), torch.full((x.shape[0], 1), 3.0))
+    assert torch.equal(q.cpu().view(torch.uint8), (x / 3).to(torch.float8_e4m3fn).view(torch.uint8))
+    _assert_matches_reference(x.to(device), False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tiny_scales(device):
+    """Blocks whose scale has no finite float32 reciprocal (below 2^-128) or is subnormal."""
+    x = torch.zeros(3, BLOCK)
+    x[0, :5] = torch.tensor([1e-44, -3e-43, 1e-42, 0.0, 7e-45])
+    x[1, :3] = torch.tensor([2e-39, -1e-38, 5e-39])
+    x[2, :] = torch.linspace(-1e-40, 1e-40, BLOCK)
+    for pow2 in (False, True):
+        _assert_matches_reference(x.to(device), pow2)

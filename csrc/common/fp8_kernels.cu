@@ -1,7 +1,10 @@
-// CUDA kernels of csrc/common/fp8.h. Sixteen lanes quantize one 128-element
-// block (8 elements each, 16-byte loads): the block's amax is a 16-lane
-// shuffle reduction and each lane writes its 8 codes with one 8-byte store,
-// so a row moves through HBM once in and once out.
+// CUDA kernels of csrc/common/fp8.h. Eight lanes quantize one 128-element
+// block (16 elements each, 16-byte loads): the block's amax is an 8-lane
+// shuffle reduction and each lane writes its 16 codes with two 8-byte stores,
+// so a row moves through HBM once in and once out. Measured on one H200 (bf16,
+// 32768 x 7168): 16 elements a lane 0.348 ms, 8 0.388, 32 0.338 (but slower
+// for float32 input); multiplying by the scale's reciprocal (dividing only
+// near e4m3 rounding midpoints, to stay exact) was slower still, 0.414 ms.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -16,8 +19,9 @@ namespace fp8 {
 
 namespace {
 
-constexpr int kPerLane = 8;
-constexpr int kLanesPerBlock = kBlock / kPerLane;  // 16
+constexpr int kPerLane = 8;                             // elements per 16-byte load (bf16/fp16)
+constexpr int kQuantizeLane = 16;                       // elements a quantizer lane owns
+constexpr int kLanesPerBlock = kBlock / kQuantizeLane;  // 8 lanes per 128-element block
 constexpr int kThreads = 256;
 
 __device__ inline float as_float(float v) { return v; }
@@ -39,17 +43,21 @@ __global__ void quantize_kernel(const T* __restrict__ x, int64_t num_blocks, boo
                                 uint8_t* __restrict__ values, float* __restrict__ scales) {
   const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t block = thread / kLanesPerBlock;
-  const int64_t first = thread * kPerLane;  // = block * kBlock + lane * kPerLane
+  const int64_t first = thread * kQuantizeLane;  // = block * kBlock + lane * kQuantizeLane
   const bool active = block < num_blocks;
 
-  float v[kPerLane];
+  float v[kQuantizeLane];
   float amax = 0.0f;
   int finite = 1;
   if (active) {
-    const Eight<T> in = *reinterpret_cast<const Eight<T>*>(x + first);
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      v[i] = as_float(in.v[i]);
+    for (int part = 0; part < kQuantizeLane / kPerLane; ++part) {
+      const Eight<T> in = *reinterpret_cast<const Eight<T>*>(x + first + part * kPerLane);
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) v[part * kPerLane + i] = as_float(in.v[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < kQuantizeLane; ++i) {
       finite &= isfinite(v[i]) ? 1 : 0;
       amax = fmaxf(amax, fabsf(v[i]));
     }
@@ -64,10 +72,15 @@ __global__ void quantize_kernel(const T* __restrict__ x, int64_t num_blocks, boo
 
   const float scale = block_scale(amax, finite != 0, pow2_scales);
   if (threadIdx.x % kLanesPerBlock == 0) scales[block] = scale;
-  alignas(8) uint8_t q[kPerLane];
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) q[i] = finite ? convert::float_to_e4m3(v[i] / scale) : convert::kE4M3NaN;
-  *reinterpret_cast<uint2*>(values + first) = *reinterpret_cast<const uint2*>(q);
+  for (int part = 0; part < kQuantizeLane / kPerLane; ++part) {
+    alignas(8) uint8_t q[kPerLane];
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      q[i] = finite ? convert::float_to_e4m3(v[part * kPerLane + i] / scale) : convert::kE4M3NaN;
+    }
+    *reinterpret_cast<uint2*>(values + first + part * kPerLane) = *reinterpret_cast<const uint2*>(q);
+  }
 }
 
 template <typename T>
