@@ -1,7 +1,7 @@
 """Runs the fault cases and prints one table row per case.
 
     python3 -m tests.faults --backend reference --world-size 2
-    python3 -m tests.faults --backend nccl_ep --device cuda --world-size 2 [--check-routing]
+    python3 -m tests.faults --backend nccl_ep --device cuda --world-size 2 [--check-routing | --device-checks]
 
 The runner launches the W processes of each case itself (no torchrun): on CUDA, rank r
 uses GPU r % device_count and an NCCL process group. Verdicts: ``contract`` (meets it),
@@ -45,6 +45,9 @@ def main(argv=None) -> int:
                     help="nccl_ep: skip the fault-free warm-up case that fills NCCL EP's kernel cache first (the "
                          "first use of a shape compiles for tens of seconds, which would count as a hang)")
     ap.add_argument("--check-routing", action="store_true", help="TE_EP_CHECK_ROUTING=1 in the ranks (nccl_ep)")
+    ap.add_argument("--device-checks", action="store_true",
+                    help="TE_EP_DEVICE_CHECKS=1 in the ranks (nccl_ep; no behaviour declared yet: every case is "
+                         "measured against the contract)")
     ap.add_argument("--start-method", default="forkserver", choices=("forkserver", "spawn"))
     ap.add_argument("-k", dest="patterns", nargs="+", default=None, metavar="SUBSTR",
                     help="only cases whose name contains one of these")
@@ -57,6 +60,10 @@ def main(argv=None) -> int:
     device = args.device or ("cuda" if args.backend == "nccl_ep" else "cpu")
     if args.backend == "nccl_ep" and device != "cuda":
         ap.error("--backend nccl_ep needs --device cuda")
+    if (args.check_routing or args.device_checks) and args.backend != "nccl_ep":
+        ap.error("--check-routing and --device-checks are modes of --backend nccl_ep")
+    if args.check_routing and args.device_checks:
+        ap.error("--check-routing and --device-checks are two modes: pick one")
     if device == "cuda":
         import torch
 
@@ -66,6 +73,7 @@ def main(argv=None) -> int:
     pg_timeout = args.pg_timeout or (DEFAULT_PG_TIMEOUT_CUDA_S if device == "cuda" else DEFAULT_PG_TIMEOUT_S)
     config = RunConfig(backend=args.backend, device=device, world_size=args.world_size,
                        pg_timeout_s=pg_timeout, check_routing=args.check_routing,
+                       device_checks=args.device_checks,
                        start_method=args.start_method)
     selected = [c for c in fault_cases.CASES + (fault_cases.CONTROLS if args.controls else [])
                 if not args.patterns or any(p in c.name for p in args.patterns)]

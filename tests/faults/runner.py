@@ -64,15 +64,16 @@ class RunConfig:
     world_size: int = 2
     pg_timeout_s: float = DEFAULT_PG_TIMEOUT_S
     check_routing: bool = False  # TE_EP_CHECK_ROUTING=1 in the ranks (nccl_ep's agreeing mode)
+    device_checks: bool = False  # TE_EP_DEVICE_CHECKS=1 in the ranks (nccl_ep's device-agreed mode)
     start_method: str = "forkserver"
     startup_limit_s: float = DEFAULT_STARTUP_LIMIT_S
 
     @property
     def variant(self) -> str:
         """Which declared behaviour applies: "reference" (on CPU), "nccl_ep", "nccl_ep+check";
-        "reference+cuda" has none."""
+        "reference+cuda" and "nccl_ep+device" (not measured yet) have none."""
         if self.backend == "nccl_ep":
-            return "nccl_ep+check" if self.check_routing else "nccl_ep"
+            return "nccl_ep+check" if self.check_routing else "nccl_ep+device" if self.device_checks else "nccl_ep"
         return self.backend if self.device == "cpu" else f"{self.backend}+{self.device}"
 
 
@@ -240,10 +241,11 @@ def _child_main(case_name: str, rank: int, config: RunConfig, case_dir: str, sel
     killer.daemon = True
     killer.start()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if config.check_routing:
-        os.environ["TE_EP_CHECK_ROUTING"] = "1"
-    else:
-        os.environ.pop("TE_EP_CHECK_ROUTING", None)
+    for flag, name in ((config.check_routing, "TE_EP_CHECK_ROUTING"), (config.device_checks, "TE_EP_DEVICE_CHECKS")):
+        if flag:
+            os.environ[name] = "1"
+        else:
+            os.environ.pop(name, None)
     if config.device == "cuda":
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         # NCCL EP's own GPU-side wait (default ~100 s) bounds how long a rank waits for a

@@ -61,6 +61,8 @@ if [ "$ngpu" -ge 2 ] && want faults; then
   run "faults W=2 nccl_ep" "$LOG/faults.log" timeout 1200 "$PY" -m tests.faults --backend nccl_ep --world-size 2 -v
   run "faults W=2 nccl_ep TE_EP_CHECK_ROUTING=1" "$LOG/faults.log" \
     timeout 1200 "$PY" -m tests.faults --backend nccl_ep --world-size 2 --check-routing -v
+  run "faults W=2 nccl_ep TE_EP_DEVICE_CHECKS=1 (measured)" "$LOG/faults.log" \
+    timeout 1200 "$PY" -m tests.faults --backend nccl_ep --world-size 2 --device-checks -v
 fi
 want perm && run "permutation CUDA tests" "$LOG/permutation.log" timeout 900 "$PY" -m pytest -q tests/test_permutation.py -k cuda
 want fp8 && run "FP8 CUDA tests" "$LOG/fp8.log" \
