@@ -3,7 +3,9 @@ works afterwards."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 from typing import Callable, Sequence
 
 import torch
@@ -460,18 +462,14 @@ def case_stale_backward(ctx) -> None:
     group.shutdown()
 
 
-
-def _agreed_error(ctx, call: Callable, expected: Sequence[str]) -> None:
-    """`call` raises on every rank the same agreed message (device checks name every
-    failing rank themselves), containing each of `expected`."""
+@contextlib.contextmanager
+def _device_checks_env():
+    """TE_EP_DEVICE_CHECKS=1 while handles are created (read then)."""
+    os.environ["TE_EP_DEVICE_CHECKS"] = "1"
     try:
-        call()
-    except RuntimeError as e:
-        msg = str(e)
-    else:
-        raise AssertionError(f"rank {ctx.rank}: no error raised")
-    missing = [s for s in expected if s not in msg]
-    assert not missing, f"rank {ctx.rank}: message lacks {missing}: {msg!r}"
+        yield
+    finally:
+        del os.environ["TE_EP_DEVICE_CHECKS"]
 
 
 def case_device_checks(ctx) -> None:
@@ -481,17 +479,12 @@ def case_device_checks(ctx) -> None:
     next prepare, naming the rank and the value; a capacity overflow on one rank zeroes the
     step's outputs everywhere and is raised the same way; good steps before and after are
     exact."""
-    import os
-
     W, last = ctx.world_size, ctx.rank == ctx.world_size - 1
     dev = torch.device(ctx.device)
-    os.environ["TE_EP_DEVICE_CHECKS"] = "1"
-    try:
+    with _device_checks_env():
         group = make_group(ctx, ERROR_STEP)
         handle = group.create_handle(top_k=ERROR_STEP.top_k, hidden=ERROR_STEP.hidden,
                                      dtype=ERROR_STEP.torch_dtype())
-    finally:
-        del os.environ["TE_EP_DEVICE_CHECKS"]
     assert handle.check_mode == "device", handle.check_mode
     run_exact_step(ctx, group, handle, ERROR_STEP, ctx.rank, W, tag="device checks, before: ")
     handle.check()  # nothing to raise
@@ -511,25 +504,22 @@ def case_device_checks(ctx) -> None:
     out, y = bad_step()  # no rank raises in the bad step itself
     assert int(out.total.item()) == 0 and not out.tokens.any() and not y.any(), "a failed step must move nothing"
     expected = [f"rank {W - 1}: topk_idx[3, 0] = {E}", f"outside [-1, {E})", f"handle {handle.id}"]
-    _agreed_error(ctx, handle.check, expected)
+    expect_raises(handle.check, *expected)  # the same agreed message on every rank
     run_exact_step(ctx, group, handle, ERROR_STEP, ctx.rank, W, tag="device checks, after check(): ")
 
     bad_step()
-    _agreed_error(ctx, lambda: handle.prepare(idx_all[ctx.rank].to(dev)), expected)  # the next call raises
+    expect_raises(lambda: handle.prepare(idx_all[ctx.rank].to(dev)), *expected)  # the next call raises
     run_exact_step(ctx, group, handle, ERROR_STEP, ctx.rank, W, tag="device checks, after prepare raised: ")
 
     # Capacity overflow on rank 0 only (every choice goes there): zeros everywhere, then the error.
     hot = Step(top_k=2, hidden=16, tokens=(8,), mode="only_rank0", seed=5, max_tokens=ERROR_STEP.max_tokens)
     cap = max(2 * W, nccl_ep_capacity_floor(group.max_tokens_per_rank))
-    os.environ["TE_EP_DEVICE_CHECKS"] = "1"
-    try:
+    with _device_checks_env():
         small = group.create_handle(top_k=2, hidden=16, dtype=torch.bfloat16, capacity=cap)
-    finally:
-        del os.environ["TE_EP_DEVICE_CHECKS"]
     idx_all, w_all = all_inputs(hot, W)
     x = fingerprint(ctx.rank, 8, 16, torch.bfloat16).to(dev)
     out = te.ep_dispatch(small, x, idx_all[ctx.rank].to(dev), w_all[ctx.rank].to(dev))
     y = te.ep_combine(small, out.tokens * out.weights[:, None].to(out.tokens.dtype), x.shape[0])
     assert not out.tokens.any() and not out.weights.any() and not y.any(), "an overflowing step must return zeros"
-    _agreed_error(ctx, small.check, ["rank 0: capacity overflow", f"capacity is {cap}"])
+    expect_raises(small.check, "rank 0: capacity overflow", f"capacity is {cap}")
     group.shutdown()
