@@ -418,8 +418,8 @@ class MoE(nn.Module):
             communication stream (:mod:`te_ep_torch.overlap`) and the shared expert on the
             current stream meanwhile, forward and backward. Same results as without it
             (the same kernels on the same data; only their timing changes). Sequential
-            under ``torch.compile``, during CUDA graph capture and on CPU. Off by default
-            until measured on GPUs (docs/moe.md, "Overlap").
+            under ``torch.compile`` and on CPU; a CUDA graph captures the overlap. Off by
+            default until measured on GPUs (docs/moe.md, "Overlap").
         dtype, device: of the expert and shared-expert weights; the router weight is
             float32.
         **router_options: the router's options, passed to :class:`TopKRouter`: any of

@@ -16,9 +16,9 @@ Autograd: the backward of an op that ran on the communication stream runs there 
 the autograd engine synchronizes the streams where gradients cross them (PyTorch's
 "stream semantics of backward passes"), so the backward overlaps the same way.
 
-Where it does nothing: on CPU (no streams), under ``torch.compile`` (the compiled graph
-runs on the caller's stream: the layer is sequential there) and while a CUDA graph is being
-captured (the captured layer is sequential). docs/moe.md, "Overlap".
+Where it does nothing: on CPU (no streams) and under ``torch.compile`` (the compiled graph
+runs on the caller's stream: the layer is sequential there). A CUDA graph captures the fork
+and the join, so a captured layer overlaps too. docs/moe.md, "Overlap".
 """
 
 from __future__ import annotations
@@ -68,8 +68,9 @@ class CommStream:
 
 def comm_stream_for(device: torch.device) -> Optional[CommStream]:
     """The device's communication stream, or ``None`` where overlap does not apply (CPU,
-    ``torch.compile``, CUDA graph capture): callers then run sequentially."""
-    if device.type != "cuda" or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+    ``torch.compile``): callers then run sequentially. Under CUDA graph capture the fork and
+    join are captured like any other stream dependency."""
+    if device.type != "cuda" or torch.compiler.is_compiling():
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     stream = _streams.get(index)

@@ -799,6 +799,42 @@ def test_fp8_dispatch_without_expert_parallel_rounds_the_expert_inputs():
     assert 0 < rel <= FP8_LAYER_REL_ERROR, rel
 
 
+def _worker_overlap_graph() -> None:
+    """The overlapped block's forward captured in a CUDA graph replays bitwise like eager."""
+    import te_ep_torch as te
+    from te_ep_torch.testing.moe_blocks import MoEConfig, TeEpMoEBlock
+
+    world = dist.get_world_size()
+    cfg = MoEConfig(hidden=1024, ffn=512, num_experts=8, top_k=2, dtype=torch.bfloat16, shared_ffn=512)
+    group = te.EpGroup(num_experts=8, max_tokens_per_rank=256)
+    block = TeEpMoEBlock(cfg, group, alignment=16, overlap=True)
+    x = torch.randn(256, 1024, generator=torch.Generator().manual_seed(dist.get_rank())).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the default stream, as graph capture wants
+            for _ in range(2):
+                block(x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = block(x)
+        for step in range(2):
+            if step:
+                x.copy_(torch.randn_like(x))
+            graph.replay()
+            torch.cuda.synchronize()
+            eager = block(x)
+            assert torch.equal(out, eager), f"replay {step} differs from eager (world {world})"
+    group.shutdown()
+
+
+@pytest.mark.gpu
+def test_overlap_layer_in_a_cuda_graph_gpu():
+    _need_gpus(2)
+    _launch("_worker_overlap_graph", 2, timeout=300, device="cuda")
+
+
 def test_fp8_dispatch_option_errors():
     with pytest.raises(ValueError, match="dispatch_dtype must be None, 'fp8' or torch.float8_e4m3fn"):
         MoE(256, 32, 8, 2, dispatch_dtype="int8")
