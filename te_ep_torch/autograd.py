@@ -55,6 +55,24 @@ def _check_generation(handle: EpHandle, generation: int, what: str) -> None:
         )
 
 
+def _dispatch_backward(ctx, grad_recv: Tensor, grad_weights: Tensor, what: str) -> Tuple[Tensor, Tensor]:
+    """The backward of a dispatch (bf16 or FP8): ``dispatch_bwd`` of the received rows'
+    gradient in the handle's dtype; ``(grad_tokens, grad_topk_weights)``."""
+    handle: EpHandle = ctx.handle
+    if not torch.compiler.is_compiling():
+        _check_generation(handle, ctx.generation, what)
+    (handle_mem,) = ctx.saved_tensors
+    return ops.dispatch_bwd(
+        grad_recv.to(handle.config.dtype).contiguous(),
+        grad_weights.contiguous(),
+        handle_mem,
+        handle.group.group_name,
+        handle.id,
+        ctx.num_tokens,
+        handle.config.top_k,
+    )
+
+
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens: Tensor, topk_weights: Tensor, handle: EpHandle):
@@ -69,19 +87,7 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_recv: Tensor, grad_weights: Tensor):
-        handle: EpHandle = ctx.handle
-        if not torch.compiler.is_compiling():
-            _check_generation(handle, ctx.generation, "ep_dispatch")
-        (handle_mem,) = ctx.saved_tensors
-        grad_tokens, grad_topk_weights = ops.dispatch_bwd(
-            grad_recv.contiguous(),
-            grad_weights.contiguous(),
-            handle_mem,
-            handle.group.group_name,
-            handle.id,
-            ctx.num_tokens,
-            handle.config.top_k,
-        )
+        grad_tokens, grad_topk_weights = _dispatch_backward(ctx, grad_recv, grad_weights, "ep_dispatch")
         return grad_tokens, grad_topk_weights, None
 
 
@@ -188,24 +194,13 @@ class _DispatchFp8(torch.autograd.Function):
     def backward(ctx, _grad_values, _grad_scales, grad_weights: Optional[Tensor], grad_rows: Optional[Tensor]):
         if grad_weights is None and grad_rows is None:
             return None, None, None, None, None
-        handle: EpHandle = ctx.handle
-        if not torch.compiler.is_compiling():
-            _check_generation(handle, ctx.generation, "ep_dispatch_fp8")
+        cfg = ctx.handle.config
         (handle_mem,) = ctx.saved_tensors
-        cfg = handle.config
         if grad_rows is None:
             grad_rows = handle_mem.new_zeros((cfg.capacity, cfg.hidden), dtype=cfg.dtype)
         if grad_weights is None:
             grad_weights = handle_mem.new_zeros((cfg.capacity,), dtype=torch.float32)
-        grad_tokens, grad_topk_weights = ops.dispatch_bwd(
-            grad_rows.to(cfg.dtype).contiguous(),
-            grad_weights.contiguous(),
-            handle_mem,
-            handle.group.group_name,
-            handle.id,
-            ctx.num_tokens,
-            cfg.top_k,
-        )
+        grad_tokens, grad_topk_weights = _dispatch_backward(ctx, grad_rows, grad_weights, "ep_dispatch_fp8")
         return grad_tokens, None, grad_topk_weights, None, None
 
 

@@ -68,6 +68,12 @@ def _timeout_ms(timeout, pg: dist.ProcessGroup, device: torch.device) -> int:
     return max(1, int(seconds * 1000))
 
 
+def nccl_ep_capacity_floor(max_tokens_per_rank: int) -> int:
+    """The least capacity ``nccl_ep`` takes: NCCL EP's receive budget may not be below its send
+    budget, ``max_tokens_per_rank`` rounded up to a multiple of :data:`NCCL_EP_EXPERT_MULTIPLE`."""
+    return -(-max_tokens_per_rank // NCCL_EP_EXPERT_MULTIPLE) * NCCL_EP_EXPERT_MULTIPLE
+
+
 def _is_power_of_two(v: int) -> bool:
     return v > 0 and v & (v - 1) == 0
 
@@ -237,7 +243,7 @@ class EpGroup:
         dist.all_reduce(counts, group=self.process_group)
         padded = (counts + alignment - 1) // alignment * alignment
         need = int(padded.view(self.ep_size, self.num_local_experts).sum(dim=1).max())
-        floor = -(-self.max_tokens_per_rank // NCCL_EP_EXPERT_MULTIPLE) * NCCL_EP_EXPERT_MULTIPLE
+        floor = nccl_ep_capacity_floor(self.max_tokens_per_rank)
         fitted = max(floor, int(need * (1.0 + headroom)) + 1)
         return min(fitted, max(floor, self.worst_case_capacity(top_k, alignment)))
 
@@ -293,9 +299,7 @@ class EpGroup:
             if capacity is None:
                 worst = self.worst_case_capacity(top_k, alignment)
                 if self.backend == "nccl_ep":
-                    # NCCL EP's receive budget may not be below its send budget (its floor).
-                    floor = -(-self.max_tokens_per_rank // NCCL_EP_EXPERT_MULTIPLE) * NCCL_EP_EXPERT_MULTIPLE
-                    return max(worst, floor)
+                    return max(worst, nccl_ep_capacity_floor(self.max_tokens_per_rank))
                 return worst
             if not isinstance(capacity, int) or capacity <= 0:
                 raise ValueError(f"create_handle: capacity must be a positive int, got {capacity!r}")

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from .autograd import ep_combine, ep_dispatch, ep_dispatch_fp8
 from .group import EpGroup, EpHandle
 from .ops import FP8_BLOCK, dequantize_fp8, quantize_fp8
-from .overlap import comm_stream_for
+from .overlap import comm_stream_for, overlapped
 from .permutation import permute, unpermute, worst_case_capacity
 
 __all__ = [
@@ -593,10 +593,8 @@ class MoE(nn.Module):
         else:
             # The shared expert runs on the current stream while the dispatch runs on the
             # communication stream (and, in backward, while dispatch_bwd does).
-            out = comm.launch(dispatch, (tokens, routing.topk_weights))
-            if self.shared_expert is not None:
-                shared = self.shared_expert(tokens)
-            comm.join(out)
+            out, shared = overlapped(comm, dispatch, (tokens, routing.topk_weights),
+                                     None if self.shared_expert is None else lambda: self.shared_expert(tokens))
         rows = out.dequantize(tokens.dtype) if self.dispatch_dtype is not None else out.tokens
         y = self.experts(rows, out.expert_counts)
         if handle.mode == "zero_copy" and not torch.compiler.is_compiling():
@@ -605,10 +603,11 @@ class MoE(nn.Module):
             y = _WeightedIntoBuffer.apply(y, out.weights, handle)
         else:
             y = (y.float() * out.weights.unsqueeze(1)).to(y.dtype)
-        if comm is None:
-            return routing, ep_combine(handle, y, tokens.shape[0]), shared
-        combined = comm.launch(lambda: ep_combine(handle, y, tokens.shape[0]), (y,))
-        comm.join((combined,))
+
+        def combine():
+            return ep_combine(handle, y, tokens.shape[0])
+
+        combined = combine() if comm is None else overlapped(comm, combine, (y,))[0]
         return routing, combined, shared
 
     @torch.no_grad()

@@ -23,12 +23,12 @@ and the join, so a captured layer overlaps too. docs/moe.md, "Overlap".
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, Optional, TypeVar
+from typing import Callable, Dict, Iterable, Optional, Tuple, TypeVar
 
 import torch
 from torch import Tensor
 
-__all__ = ["CommStream", "comm_stream_for"]
+__all__ = ["CommStream", "comm_stream_for", "overlapped"]
 
 T = TypeVar("T")
 
@@ -77,3 +77,15 @@ def comm_stream_for(device: torch.device) -> Optional[CommStream]:
     if stream is None:
         stream = _streams[index] = CommStream(torch.device("cuda", index))
     return stream
+
+
+def overlapped(comm: CommStream, fn: Callable[[], T], inputs: Iterable[Optional[Tensor]],
+               meanwhile: Optional[Callable[[], object]] = None) -> Tuple[T, object]:
+    """``fn()`` on the communication stream while ``meanwhile()`` runs on the current one, then
+    the join: ``(fn's result, meanwhile's result or None)``. ``fn`` returns a tensor or a tuple
+    of tensors (its outputs, usable on the current stream afterwards); ``inputs`` as in
+    :meth:`CommStream.launch`."""
+    result = comm.launch(fn, inputs)
+    side = meanwhile() if meanwhile is not None else None
+    comm.join(result if isinstance(result, tuple) else (result,))
+    return result, side

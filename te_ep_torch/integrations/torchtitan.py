@@ -51,7 +51,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torchtit
     ) from exc
 
 from ..autograd import ep_combine, ep_dispatch, ep_dispatch_fp8
-from ..group import BACKENDS, NCCL_EP_EXPERT_MULTIPLE, EpHandle
+from ..group import BACKENDS, EpHandle, nccl_ep_capacity_floor
 from ..moe import GROUPED_MM_ALIGNMENT
 from ..ops import FP8_BLOCK
 from ..parallel import ep_group_for
@@ -196,8 +196,8 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
             per_rank = min(self.top_k, group.num_local_experts)
             rows = math.ceil(self.capacity_factor * group.ep_size * max_tokens * per_rank)
             rows += group.num_local_experts * (self.alignment - 1)
-            floor = -(-max_tokens // NCCL_EP_EXPERT_MULTIPLE) * NCCL_EP_EXPERT_MULTIPLE
-            capacity = min(max(rows, floor), group.worst_case_capacity(self.top_k, self.alignment))
+            capacity = min(max(rows, nccl_ep_capacity_floor(max_tokens)),
+                           group.worst_case_capacity(self.top_k, self.alignment))
         handle = group.create_handle(
             top_k=self.top_k, hidden=hidden, dtype=dtype, alignment=self.alignment, capacity=capacity,
             dispatch_dtype=torch.float8_e4m3fn if self.fp8_dispatch else None,

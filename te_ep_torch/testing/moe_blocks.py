@@ -42,7 +42,7 @@ from torch import Tensor
 
 from ..autograd import ep_combine, ep_dispatch, ep_dispatch_fp8
 from ..group import EpGroup
-from ..overlap import comm_stream_for
+from ..overlap import comm_stream_for, overlapped
 from ..moe import EXPERT_IMPLS, grouped_mm_supported
 from ..permutation import permute, unpermute
 
@@ -365,17 +365,14 @@ class TeEpMoEBlock(_MoEBase):
         if comm is None:
             out, shared = dispatch(), None
         else:
-            out = comm.launch(dispatch, (x, topk_idx, topk_weights))
-            shared = self.shared(x)
-            comm.join(out)
+            out, shared = overlapped(comm, dispatch, (x, topk_idx, topk_weights), lambda: self.shared(x))
         rows = out.dequantize() if self.fp8 else out.tokens
         y = self._zone_experts(rows, out.expert_counts)
         # Padding rows have weight 0; rows after the last zone are never read by combine.
         y = y * out.weights[:, None].to(y.dtype)
         if comm is None:
             return self._with_shared(ep_combine(self.handle, y, x.shape[0]), x)
-        combined = comm.launch(lambda: ep_combine(self.handle, y, x.shape[0]), (y,))
-        comm.join((combined,))
+        combined, _ = overlapped(comm, lambda: ep_combine(self.handle, y, x.shape[0]), (y,))
         return combined if shared is None else combined + shared
 
 

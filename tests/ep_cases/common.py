@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import te_ep_torch as te
-from te_ep_torch.group import NCCL_EP_EXPERT_MULTIPLE
+from te_ep_torch.group import nccl_ep_capacity_floor
 
 
 # ---------------------------------------------------------------------------
@@ -186,12 +186,6 @@ def capacity_for(step: Step, group, world_size: int, idx_all: list) -> Optional[
                              "route more rows to the busiest rank")
         return need
     raise ValueError(step.capacity)
-
-
-def nccl_ep_capacity_floor(max_tokens_per_rank: int) -> int:
-    """The smallest capacity nccl_ep accepts: max_tokens_per_rank rounded up to a multiple of 4."""
-    m = NCCL_EP_EXPERT_MULTIPLE
-    return -(-max_tokens_per_rank // m) * m
 
 
 def check_equal(what: str, actual: torch.Tensor, expected: torch.Tensor, where: str) -> None:
