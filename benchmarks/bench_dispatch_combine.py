@@ -61,7 +61,11 @@ Rows (ops), each the median over barrier-aligned iterations of the slowest rank:
   device's copy bandwidth.
 
 Each iteration starts after a barrier and a device synchronisation and is timed
-with CUDA events (``--device cpu``: wall clock). Before timing, each variant
+with CUDA events (``--device cpu``: wall clock); the GPU is idle when the timed
+call starts, so a row's time includes the op's host path up to its first kernel.
+``host ms`` is the median wall time of the call on the host alone (Python, argument
+checks, launches, no synchronisation): the share of the row that a CPU running
+ahead of the GPU hides in a training step. Before timing, each variant
 round-trips once with identity experts: combine(dispatch(x)) must equal
 top_k * x up to bf16 rounding (``check``, largest error relative to max |top_k * x|
 on any rank; FP8 rows: up to e4m3 rounding, at most 2^-4 per value); a failed check
@@ -217,12 +221,19 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_ms(op: Op, warmup: int, iters: int, device: torch.device) -> float:
-    """Median of barrier-aligned iterations; the slowest rank's median."""
+def median_ms(op: Op, warmup: int, iters: int, device: torch.device) -> Tuple[float, float]:
+    """(device ms, host ms): medians of barrier-aligned iterations, each the slowest rank's.
+
+    device ms: CUDA events around the call (on CPU, wall time); the GPU is idle
+    when the call starts, so this includes the host path up to the first kernel.
+    host ms: wall time of the call itself on the host (launches, argument checks,
+    Python; no synchronisation), the part of the op a CPU that runs ahead of the
+    GPU hides in a training step.
+    """
     for _ in range(warmup):
         op.run()
     synchronize(device)
-    times = []
+    times, host = [], []
     for _ in range(iters):
         if op.setup is not None:
             op.setup()
@@ -231,7 +242,9 @@ def median_ms(op: Op, warmup: int, iters: int, device: torch.device) -> float:
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            t0 = time.perf_counter()
             op.fn()
+            host.append((time.perf_counter() - t0) * 1e3)
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
@@ -239,9 +252,10 @@ def median_ms(op: Op, warmup: int, iters: int, device: torch.device) -> float:
             t0 = time.perf_counter()
             op.fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    result = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+            host.append(times[-1])
+    result = torch.tensor([statistics.median(times), statistics.median(host)], dtype=torch.float64, device=device)
     dist.all_reduce(result, op=dist.ReduceOp.MAX)
-    return float(result.item())
+    return float(result[0].item()), float(result[1].item())
 
 
 def peer_copy_gbps(device: torch.device, nbytes: int = 1 << 30, iters: int = 10) -> Optional[float]:
@@ -701,8 +715,8 @@ def measure(variant: Variant, routing: Routing, shape: Shape, args, device: torc
     ops = variant.ops()
     error = max(roundtrip_error(op, routing, shape.top_k, device) for name, op in ops.items()
                 if name.startswith("combine"))
-    times = {name: median_ms(op, args.warmup, args.iters, device) for name, op in ops.items()}
-    return times, error
+    measured = {name: median_ms(op, args.warmup, args.iters, device) for name, op in ops.items()}
+    return {name: m[0] for name, m in measured.items()}, {name: m[1] for name, m in measured.items()}, error
 
 
 def fit_capacity(routing: Routing, shape: Shape, world: int, args, device: torch.device) -> int:
@@ -725,6 +739,7 @@ class Result:
     env_spec: str
     capacity: object
     times: Dict[str, float]
+    host: Dict[str, float]  # host time of each call (median_ms)
     check: float
 
 
@@ -752,8 +767,8 @@ def run_shape(shape: Shape, args, world: int, rank: int, device: torch.device, c
             if rank == 0:
                 print(f"  {label}: not run: {error}", flush=True)
             continue
-        times, check = measured
-        results.append(Result(label, kind, mode, spec.env_spec, cap, times, check))
+        times, host, check = measured
+        results.append(Result(label, kind, mode, spec.env_spec, cap, times, host, check))
         if rank == 0:
             ms = "  ".join(f"{op} {t:.3f}" for op, t in times.items())
             print(f"  {label}: {ms} ms; check {check:.1e}", flush=True)
@@ -797,6 +812,7 @@ def table_rows(shape: Shape, results: List[Result], logical_bytes: float, remote
                 "capacity": r.capacity,
                 "op": op,
                 "ms": t,
+                "host_ms": r.host[op],
                 "logical_GBps": hbm if hbm is not None else (logical_bytes / (t * 1e-3) / 1e9 if moves_tokens
                                                              else float("nan")),
                 "nvlink_GBps": nvlink,
@@ -820,14 +836,14 @@ def fmt(value: float, width: int, digits: int) -> str:
 def print_table(rows: List[Dict], skipped: List[Tuple[str, str]]) -> None:
     width = max([len("variant")] + [len(row["variant"]) for row in rows] + [len(label) for label, _ in skipped])
     header = (
-        f"{'shape':<30} {'variant':<{width}} {'op':<12} {'ms':>8} {'logical GB/s':>13} {'NVLink GB/s':>12} "
+        f"{'shape':<30} {'variant':<{width}} {'op':<12} {'ms':>8} {'host ms':>8} {'logical GB/s':>13} {'NVLink GB/s':>12} "
         f"{'% copy':>7} {'x a2a':>6} {'x dedup':>7} {'x alone':>7} {'x bf16':>6}"
     )
     print(header)
     print("-" * len(header))
     for row in rows:
         print(
-            f"{row['shape']:<30} {row['variant']:<{width}} {row['op']:<12} {row['ms']:>8.3f} "
+            f"{row['shape']:<30} {row['variant']:<{width}} {row['op']:<12} {row['ms']:>8.3f} {row['host_ms']:>8.3f} "
             f"{fmt(row['logical_GBps'], 13, 1)} {fmt(row['nvlink_GBps'], 12, 1)} {fmt(row['pct_copy'], 7, 1)} "
             f"{fmt(row['x_a2a'], 6, 2)} {fmt(row['x_dedup'], 7, 2)} {fmt(row['x_alone'], 7, 2)} "
             f"{fmt(row['x_bf16'], 6, 2)}"

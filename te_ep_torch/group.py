@@ -118,11 +118,13 @@ class EpGroup:
             every rank can allocate window memory, else staged, with a warning). Each
             handle reports the mode it runs in (:attr:`EpHandle.mode`). ``None`` reads
             ``$TE_EP_NCCL_EP_MODE``, default ``"staged"``.
-        timeout: ``nccl_ep`` only: how long NCCL EP's kernels wait for the other ranks
-            (a ``datetime.timedelta`` or seconds) before they give up, which ends the
-            process (docs/nccl_ep.md, "Timeouts"). ``None``: the process group's own
-            timeout, so a stalled rank is detected no later by NCCL EP than by torch's
-            collectives. ``$NCCL_EP_TIMEOUT_MS`` overrides either.
+        timeout: ``nccl_ep`` only: how long an op may take on the GPU (a
+            ``datetime.timedelta`` or seconds). NCCL EP's kernels wait for the other
+            ranks without a limit; te_ep's watchdog ends a process whose op has not
+            finished this long after its launch (exit code 70, a message naming the op,
+            handle, group and rank; ``$TE_EP_WATCHDOG``; docs/nccl_ep.md, "Timeouts").
+            ``None``: the process group's own timeout, so a lost rank is detected no
+            later than by torch's collectives.
     """
 
     def __init__(

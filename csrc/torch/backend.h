@@ -89,6 +89,15 @@ class Backend {
   // Raises an error the device checks agreed on and the host has not raised
   // yet (waits for the GPU); a no-op where errors are raised in the op.
   virtual void raise_pending_errors() {}
+  // Called after each op of `handle_id` was launched: the nccl_ep backend
+  // hands a completion marker to the watchdog (csrc/common/watchdog.h), whose
+  // kernels would otherwise wait for a lost rank forever. A no-op where the
+  // transport has its own time limit (the reference backend's torch
+  // collectives).
+  virtual void watch(const char* op, int64_t handle_id) {
+    (void)op;
+    (void)handle_id;
+  }
 
   // Number of tokens of the last successful `prepare` (host-side record),
   // -1 before the first. Used to reject shape mismatches.

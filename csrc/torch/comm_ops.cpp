@@ -83,7 +83,8 @@ std::string first_line(const std::string& text) { return text.substr(0, text.fin
 // gets the handle and its group appended; a failure of a collective itself (a
 // rank exited, or did not reach the op within the process group's timeout)
 // becomes an error that names the op and the handle and says what state the
-// process is in (docs/ops.md, "Faults and bad input"). Anything else (a CUDA
+// process is in (docs/ops.md, "Faults and bad input"). A launched op is then
+// handed to the backend's watchdog (Backend::watch). Anything else (a CUDA
 // error, running out of memory) propagates unchanged, with its type.
 template <typename F>
 auto run_op(const HandleEntry& h, int64_t handle_id, const char* op, const std::string& error, F&& body)
@@ -91,7 +92,9 @@ auto run_op(const HandleEntry& h, int64_t handle_id, const char* op, const std::
   std::string transport;
   try {
     h.backend->agree_on_errors(op, error);
-    return body();
+    auto result = body();
+    h.backend->watch(op, handle_id);
+    return result;
   } catch (const c10::DistError& e) {
     transport = first_line(e.what_without_backtrace());
   } catch (const c10::Error& e) {

@@ -102,5 +102,9 @@ TORCH_LIBRARY(te_ep, m) {
   m.def("_nccl_ep_release_group(str group_name) -> ()");
   // num_experts must be a multiple of this on nccl_ep.
   m.def("_nccl_ep_expert_multiple() -> int");
+  // The watchdog of the nccl_ep ops (csrc/common/watchdog.h): its action
+  // (TE_EP_WATCHDOG: "exit", "warn", "off"; "unavailable" in builds without
+  // CUDA), markers pending now and how often it fired in this process.
+  m.def("_watchdog_state() -> (str action, int pending, int fired)");
   // END nccl_ep schemas
 }

@@ -29,11 +29,13 @@
 #include <memory>
 #include <mutex>
 #include <sstream>
+#include <stdexcept>
 #include <tuple>
 #include <vector>
 
 #include "common/nccl_ep_runtime.h"
 #include "common/nccl_ep_wrap.h"
+#include "common/watchdog.h"
 #include "torch/dtype.h"
 #include "common/routing.h"
 
@@ -44,6 +46,9 @@ namespace {
 namespace ne = nccl_ep;
 
 constexpr int64_t kRowAlignmentBytes = 16;
+// The watchdog's limit for a handle without a timeout: torch's default
+// process-group timeout (10 minutes).
+constexpr int64_t kDefaultWatchdogMs = 10 * 60 * 1000;
 
 // The send budget we give NCCL EP: max_tokens_per_rank rounded up so that
 // max_tokens_per_rank * top_k is a multiple of 4 for every top_k. A rank still passes
@@ -267,7 +272,9 @@ class NcclEpBackend final : public Backend {
         check_routing_(check_routing),
         device_checks_(device_checks && !check_routing),
         zero_copy_(group_->config().zero_copy),
-        mode_reason_(std::move(mode_reason)) {
+        mode_reason_(std::move(mode_reason)),
+        watch_label_(" of group '" + cfg.group_name + "' (rank " + std::to_string(cfg.rank) + " of " +
+                     std::to_string(cfg.ep_size) + ")") {
     c10::cuda::CUDAGuard guard(cfg_.device);
     const auto ints = at::TensorOptions().dtype(at::kInt).device(cfg_.device);
     state_ = at::zeros({static_cast<int64_t>(sizeof(ne::HandleState) / sizeof(int32_t))}, ints);
@@ -557,6 +564,18 @@ class NcclEpBackend final : public Backend {
     return prepared_num_tokens_;
   }
 
+  void watch(const char* op, int64_t handle_id) override {
+    if (watchdog::action() == watchdog::Action::kOff) return;
+    std::string what = "te_ep.";
+    what += op;
+    what += " on handle " + std::to_string(handle_id) + watch_label_;
+    watchdog::watch(current_stream(), cfg_.device.index(), watchdog_timeout_ms(), what);
+  }
+
+  // The watchdog's limit: the group's timeout (EpGroup passes the process
+  // group's), else torch's default process-group timeout.
+  int64_t watchdog_timeout_ms() const { return cfg_.timeout_ms > 0 ? cfg_.timeout_ms : kDefaultWatchdogMs; }
+
   std::string check_mode() const override {
     return check_routing_ ? "synchronous" : device_checks_ ? "device" : "none";
   }
@@ -761,6 +780,7 @@ class NcclEpBackend final : public Backend {
   bool device_checks_;
   bool zero_copy_;
   std::string mode_reason_;
+  std::string watch_label_;  // " of group 'G' (rank r of W)", for the watchdog's messages
   int64_t window_bytes_ = 0;
   WindowRows recv_window_;
   WindowRows combine_window_;
@@ -824,7 +844,10 @@ std::string load_nccl_ep(const std::string& nccl_ep_lib, const std::string& nccl
 
 bool nccl_ep_built() { return true; }
 
-void nccl_ep_mark_exiting() { ne::mark_process_exiting(); }
+void nccl_ep_mark_exiting() {
+  ne::mark_process_exiting();
+  watchdog::stop();
+}
 
 std::unique_ptr<Backend> make_nccl_ep_backend(const HandleConfig& cfg) {
   TORCH_CHECK(ne::is_loaded(), "te_ep.create_handle: backend 'nccl_ep' needs NCCL EP loaded; call "
@@ -861,6 +884,12 @@ std::unique_ptr<Backend> make_nccl_ep_backend(const HandleConfig& cfg) {
   TORCH_CHECK(cfg.capacity <= INT32_MAX && cfg.num_experts <= INT32_MAX && row_bytes <= INT32_MAX,
               "te_ep.create_handle: backend 'nccl_ep' needs capacity, num_experts and hidden row bytes below 2^31, "
               "got capacity=", cfg.capacity, ", num_experts=", cfg.num_experts, ", row bytes=", row_bytes);
+
+  try {
+    (void)watchdog::action();
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK(false, "te_ep.create_handle: ", e.what());
+  }
 
   auto pg = c10d::resolve_process_group(cfg.group_name);
   TORCH_INTERNAL_ASSERT(pg->getSize() == cfg.ep_size && pg->getRank() == cfg.rank);

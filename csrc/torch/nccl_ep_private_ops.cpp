@@ -4,7 +4,10 @@
 #include <torch/library.h>
 
 #include <string>
+#include <stdexcept>
+#include <tuple>
 
+#include "common/watchdog.h"
 #include "torch/backend.h"
 
 namespace te_ep {
@@ -49,6 +52,19 @@ TORCH_LIBRARY_IMPL(te_ep, CompositeExplicitAutograd, m) {
     release_nccl_ep_group(std::string(group_name.data(), group_name.size()));
   });
   m.impl("_nccl_ep_expert_multiple", []() { return kNcclEpExpertMultiple; });
+  m.impl("_watchdog_state", []() -> std::tuple<std::string, int64_t, int64_t> {
+#if TE_EP_WITH_CUDA
+    std::string action;
+    try {
+      action = watchdog::action_name(watchdog::action());
+    } catch (const std::invalid_argument& e) {
+      TORCH_CHECK(false, "te_ep: ", e.what());
+    }
+    return {action, watchdog::pending(), watchdog::fired()};
+#else
+    return {"unavailable", 0, 0};
+#endif
+  });
 }
 
 }  // namespace te_ep

@@ -305,7 +305,17 @@ def _arg_error(op: str, *faulty_says) -> Expect:
 NCCL_EP_ROUTING_DEFAULT = ("not checked (values of topk_idx need a device sync; docs/ops.md): NCCL EP gets the "
                            "ids as they are, behaviour undefined (wrong rows, a device fault or a hang)")
 NCCL_EP_ARG_DEFAULT = ("the faulty rank raises its own message at once; the others go on into NCCL EP's "
-                       "dispatch and wait there for the faulty rank (NCCL_EP_TIMEOUT_MS, default ~100 s)")
+                       "dispatch, whose kernels wait for the faulty rank without a limit, until te_ep's watchdog "
+                       "ends them (exit code 70) one process-group timeout after the launch")
+NCCL_EP_WATCHDOG_SHORTFALL = ("declared from the code, not yet measured on GPUs: no Python exception on the waiting "
+                              "ranks; te_ep's watchdog ends them (exit code 70) with a message naming the op, the "
+                              "handle, the group and the rank, but not the rank at fault")
+
+
+def _watchdog_ends(expect: Expect, op: str, **changes) -> Expect:
+    """nccl_ep's default mode: ranks whose kernels wait for a lost peer are ended by te_ep's
+    watchdog (csrc/common/watchdog.h) one process-group timeout after `op` was launched."""
+    return expect.but(watchdog_op=op, shortfall=NCCL_EP_WATCHDOG_SHORTFALL, **changes)
 
 
 NCCL_EP_CHECK_WORDING = ("declared from the code, not measured here (needs GPUs): every rank raises as the contract "
@@ -354,7 +364,7 @@ def _arg_case(name, fault, body, faulty, op, says) -> Case:
         name, fault, body, faulty, contract,
         behaviour={
             "reference": contract,
-            "nccl_ep": None,
+            "nccl_ep": _watchdog_ends(contract, op, raising="faulty", watchdog="others"),
             "nccl_ep+check": _check_routing(contract, others=f"te_ep.{op} failed on rank {{faulty}}"),
         },
         documented={"nccl_ep": NCCL_EP_ARG_DEFAULT,
@@ -392,7 +402,8 @@ CASES = [
         documented={"nccl_ep": "no error in the step (NCCL EP's DROP policy below the worst-case capacity): the rows "
                                "that do not fit on rank 0 are dropped, so rank 0's receive buffer and the combine "
                                "outputs of the tokens whose rows were dropped are wrong; the next prepare of the "
-                               "handle raises on rank 0 only, and the others then wait in NCCL EP",
+                               "handle raises on rank 0 only, and the others then wait in NCCL EP until te_ep's "
+                               "watchdog ends them (exit code 70) one process-group timeout later",
                     "nccl_ep+check": "every rank raises in the overflowing prepare"},
         world_sizes=(2, 3),
     ),
@@ -418,11 +429,12 @@ CASES = [
         behaviour={
             "reference": _EXIT_CONTRACT.but(others_say=("te_ep.dispatch", "collective with the other ranks failed",
                                                         GLOO_LOST_PEER), shortfall=GLOO_SHORTFALL),
-            "nccl_ep": None,
+            "nccl_ep": _watchdog_ends(_EXIT_CONTRACT, "dispatch", raising="none", watchdog="others"),
             "nccl_ep+check": None,
         },
-        documented={"nccl_ep": "the survivors wait in NCCL EP's dispatch (no torch collective in the step) until "
-                               "NCCL_EP_TIMEOUT_MS",
+        documented={"nccl_ep": "the survivors' dispatch kernels wait for the lost rank without a limit (no torch "
+                               "collective in the step); te_ep's watchdog ends them (exit code 70) one "
+                               "process-group timeout after the launch",
                     "nccl_ep+check": "the survivors wait in the agreement all-gather on the NCCL process group; "
                                      "by torch's defaults its NCCL watchdog ends the process when the collective "
                                      "times out or NCCL reports the lost peer (no Python exception)"},
@@ -437,14 +449,16 @@ CASES = [
             # late rank fails at once when it arrives
             # (the message does not name the late rank; the contract does not ask it to)
             "reference": _SLEEP_CONTRACT,
-            # No torch collective in a default-mode step: NCCL EP waits on the GPU (up to
-            # NCCL_EP_TIMEOUT_MS, which the runner sets to 1.5 PG timeouts) and the step completes.
-            "nccl_ep": Expect(raising="none", shortfall="not a fault for NCCL EP's own wait: the step completes "
-                                                        "when the late rank arrives"),
+            # No torch collective in a default-mode step: the waiting ranks' dispatch kernels spin
+            # until te_ep's watchdog ends them one PG timeout after the launch; the late rank then
+            # finds no peers, and its own watchdog ends it one timeout after it arrives.
+            "nccl_ep": _watchdog_ends(_SLEEP_CONTRACT, "dispatch", raising="none", watchdog="all",
+                                      watchdog_max_s=_SLEEP_CONTRACT.max_s),
             "nccl_ep+check": None,
         },
-        documented={"nccl_ep": "no torch collective in the step; NCCL EP waits up to NCCL_EP_TIMEOUT_MS, so the step "
-                               "completes if the late rank arrives within it",
+        documented={"nccl_ep": "no torch collective in the step; the waiting ranks' dispatch kernels spin until te_ep's "
+                               "watchdog ends them (exit code 70) one process-group timeout after the launch; the "
+                               "late rank, finding no peers, is ended one timeout after it arrives",
                     "nccl_ep+check": "the waiting ranks time out in the agreement all-gather on the NCCL process "
                                      "group; by torch's defaults its NCCL watchdog ends them (no Python exception)"},
         wall=lambda pg: 3 * pg + SLEEP_PAST_TIMEOUT_S + 10,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, List, Optional, Tuple, Union
 
-from .runner import INJECTED_EXIT_CODE, CaseResult
+from .runner import INJECTED_EXIT_CODE, WATCHDOG_EXIT_CODE, CaseResult
 
 
 def prompt(pg_timeout_s: float) -> float:
@@ -37,6 +37,11 @@ class Expect:
     wrong: str = "none"  # completing ranks whose output is wrong (a silent error)
     recovers: bool = False  # every step after the fault passes on every rank
     hanging: str = "none"  # ranks still running at the wall-clock limit (only the hang control expects any)
+    # ranks te_ep's watchdog ends (exit code WATCHDOG_EXIT_CODE, its message in their stderr
+    # naming `watchdog_op`), each within watchdog_max_s of the fault
+    watchdog: str = "none"
+    watchdog_op: str = ""
+    watchdog_max_s: Callable[[float], float] = within_timeout
     outputs: bool = True  # completing ranks had their outputs checked
     shortfall: str = ""  # how this falls short of the contract (empty for the contract itself)
 
@@ -68,6 +73,7 @@ def evaluate(result: CaseResult, expect: Expect, fmt: dict) -> List[str]:
         problems.append(f"expected ranks {sorted(hanging)} to hang, the case finished")
     raising = rank_set(expect.raising, W, faulty)
     exiting = rank_set(expect.exiting, W, faulty)
+    watched = rank_set(expect.watchdog, W, faulty)
     wrong = rank_set(expect.wrong, W, faulty)
     fmt = dict(fmt, faulty=faulty, W=W)
     for rec in result.ranks:
@@ -78,6 +84,18 @@ def evaluate(result: CaseResult, expect: Expect, fmt: dict) -> List[str]:
                             f"\n{rec.traceback}")
             continue
         if r in hanging:
+            continue
+        if r in watched:
+            if rec.status != "died" or rec.exit_code != WATCHDOG_EXIT_CODE:
+                problems.append(f"{where}: expected te_ep's watchdog to end it (exit code {WATCHDOG_EXIT_CODE}), "
+                                f"got {rec.outcome()}")
+                continue
+            says = f"te_ep watchdog: te_ep.{expect.watchdog_op} on handle "
+            if says not in rec.message:
+                problems.append(f"{where}: the watchdog's message lacks {says!r}: {rec.message!r}")
+            limit = expect.watchdog_max_s(pg)
+            if rec.seconds is None or rec.seconds > limit:
+                problems.append(f"{where}: ended after {rec.seconds} s, expected within {limit:.2f} s of the fault")
             continue
         if r in exiting:
             if rec.status != "exited" or rec.exit_code != INJECTED_EXIT_CODE:
@@ -109,7 +127,7 @@ def evaluate(result: CaseResult, expect: Expect, fmt: dict) -> List[str]:
                 problems.append(f"{where}: completed with output {rec.output or 'unchecked'!r}")
     if expect.recovers:
         for rec in result.ranks:
-            if rec.rank in exiting:
+            if rec.rank in exiting or rec.rank in watched:
                 continue
             if not rec.recovery:
                 problems.append(f"rank {rec.rank}: no step ran after the fault")

@@ -173,6 +173,12 @@ class FaultCtx:
         self.fault_point()
         try:
             value = call()
+            if self.device.startswith("cuda"):
+                # The step is done when the GPU is: a step whose kernels wait for a lost
+                # peer hangs (or is ended) here, inside the faulted call.
+                import torch
+
+                torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001 - recorded, judged by the expectation
             self.record.t_end = time.time()
             self.record.status = "raised"
@@ -248,11 +254,13 @@ def _child_main(case_name: str, rank: int, config: RunConfig, case_dir: str, sel
             os.environ.pop(name, None)
     if config.device == "cuda":
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        # NCCL EP's own GPU-side wait (default ~100 s) bounds how long a rank waits for a
-        # peer inside NCCL EP; keep it near the case's scale unless the caller set it.
-        # 1.5 PG timeouts: longer than the late rank of rank_sleeps_past_timeout sleeps, shorter
-        # than a case's wall limit, so what NCCL EP does when it gives up is seen.
-        os.environ.setdefault("NCCL_EP_TIMEOUT_MS", str(int(1.5 * config.pg_timeout_s * 1000)))
+        # Nothing else bounds a wait inside NCCL EP: its high-throughput kernels spin without a
+        # limit, and te_ep's watchdog ends a rank whose op has not finished one process-group
+        # timeout after its launch (EpGroup's default timeout; docs/nccl_ep.md, "Timeouts").
+    # This rank's stderr, for the runner: a rank the watchdog ends leaves its message there.
+    err_fd = os.open(os.path.join(case_dir, f"rank{rank}.stderr"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(err_fd, 2)
+    os.close(err_fd)
     record_path = os.path.join(case_dir, f"rank{rank}.json")
     code = 0
     try:
@@ -415,6 +423,17 @@ def run_case(case, config: RunConfig) -> CaseResult:
         shutil.rmtree(case_dir, ignore_errors=True)
 
 
+WATCHDOG_EXIT_CODE = 70  # a rank te_ep's watchdog ended (csrc/common/watchdog.h)
+
+
+def _stderr_of(path: str) -> str:
+    try:
+        with open(path.replace(".json", ".stderr"), errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 def _finish_records(paths: List[str], procs, t_stop: float, seen_dead: dict) -> List[RankRecord]:
     recs = []
     for r, path in enumerate(paths):
@@ -423,6 +442,12 @@ def _finish_records(paths: List[str], procs, t_stop: float, seen_dead: dict) -> 
         if rec.status == "running":  # no final record: it died, or it was killed at the wall limit
             if r in seen_dead:
                 rec.status, rec.t_end = "died", seen_dead[r]
+                # A process that ended without a record: its own last words (the watchdog's
+                # message where it ended the process) stand in for an exception's.
+                err = _stderr_of(path)
+                said = [line for line in err.splitlines() if line.startswith("te_ep watchdog: ")]
+                rec.message = said[-1] if said else ""
+                rec.traceback = err[-4000:]
             else:
                 rec.status, rec.t_end = "hang", t_stop
         recs.append(rec)

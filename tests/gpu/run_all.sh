@@ -6,9 +6,10 @@
 # the reference), the nccl_ep smoke test, and the 1000-step soak at the largest
 # W; the fault-injection cases (tests/faults) at W=2 on nccl_ep in both modes; then the
 # permutation CUDA tests, the FP8 tests (quantize kernels, the FP8-dispatch MoE layer) and the
-# overlap tests (communication stream vs sequential layer, bitwise, with a delayed stream).
+# overlap tests (communication stream vs sequential layer, bitwise, with a delayed stream), and the
+# watchdog tests (one GPU: an nccl_ep op stalled behind a spinning kernel ends the process).
 # Prints a summary line per part and exits
-# non-zero if any part failed. TE_EP_PARTS (default "suite smoke soak perm faults fp8 overlap")
+# non-zero if any part failed. TE_EP_PARTS (default "suite smoke soak perm faults fp8 overlap watchdog")
 # selects parts, e.g. to split the run across shorter commands.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,7 +22,7 @@ if [ "$ngpu" -lt 1 ]; then
   echo "no CUDA GPU visible: nothing to run"
   exit 1
 fi
-PARTS=" ${TE_EP_PARTS:-suite smoke soak perm faults fp8 overlap} "
+PARTS=" ${TE_EP_PARTS:-suite smoke soak perm faults fp8 overlap watchdog} "
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 status=0
 summary=()
@@ -70,6 +71,7 @@ want fp8 && run "FP8 CUDA tests" "$LOG/fp8.log" \
 want overlap && run "overlap GPU tests" "$LOG/overlap.log" \
   timeout 900 "$PY" -m pytest -q "tests/test_moe.py::test_overlap_layer_matches_sequential_gpu" \
     "tests/test_moe.py::test_overlap_layer_in_a_cuda_graph_gpu"
+want watchdog && run "watchdog GPU tests" "$LOG/watchdog.log" timeout 900 "$PY" -m pytest -q tests/gpu/test_watchdog.py
 echo
 printf '%s\n' "${summary[@]}"
 exit $status

@@ -1,0 +1,127 @@
+"""The watchdog of the nccl_ep ops (csrc/common/watchdog.h, docs/nccl_ep.md "Timeouts").
+
+NCCL EP's high-throughput kernels wait for the other ranks with no time limit, so a lost
+rank would leave the others spinning forever. te_ep hands every launched nccl_ep op to a
+watchdog thread that ends the process (exit code 70) when the op has not finished within
+the group's timeout. The GPU cases run one process on one GPU: a spinning kernel queued
+ahead of the watched op stands in for the peer that never arrives (the 2-GPU fault cases
+in tests/faults have a real one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import te_ep_torch  # noqa: F401  (loads the op library)
+from te_ep_torch import _nccl_ep
+
+REPO = Path(__file__).resolve().parents[2]
+CASE = Path(__file__).with_name("_watchdog_case.py")
+EXIT_CODE = 70
+
+needs_gpu_and_nccl_ep = pytest.mark.skipif(
+    not torch.cuda.is_available() or not _nccl_ep.is_available(),
+    reason=("no CUDA GPU" if not torch.cuda.is_available() else f"nccl_ep unavailable: {_nccl_ep.availability()}"),
+)
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env.pop("TE_EP_WATCHDOG", None)
+    env.update(extra)
+    return env
+
+
+def _state_of_a_fresh_process(env: dict) -> subprocess.CompletedProcess:
+    code = "import te_ep_torch, torch; print(tuple(torch.ops.te_ep._watchdog_state()))"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_watchdog_state_op_reports_the_action():
+    action, pending, fired = torch.ops.te_ep._watchdog_state()
+    assert action in ("exit", "warn", "off", "unavailable")
+    assert pending >= 0 and fired >= 0
+
+
+@pytest.mark.parametrize("value,action", [("", "exit"), ("exit", "exit"), ("warn", "warn"), ("off", "off"),
+                                          ("0", "off")])
+def test_action_follows_the_env(value, action):
+    if torch.ops.te_ep._watchdog_state()[0] == "unavailable":
+        pytest.skip("te_ep_torch was built without CUDA: no watchdog")
+    proc = _state_of_a_fresh_process(_env(TE_EP_WATCHDOG=value))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == f"('{action}', 0, 0)"
+
+
+def test_bad_env_value_is_an_error_naming_the_variable():
+    if torch.ops.te_ep._watchdog_state()[0] == "unavailable":
+        pytest.skip("te_ep_torch was built without CUDA: no watchdog")
+    proc = _state_of_a_fresh_process(_env(TE_EP_WATCHDOG="sometimes"))
+    assert proc.returncode != 0
+    assert "TE_EP_WATCHDOG must be 'exit' (the default), 'warn' or 'off', got 'sometimes'" in proc.stderr
+
+
+def _run_case(case: str, env: dict, timeout_s: float, stall_s: float) -> tuple:
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(CASE), case, "--timeout", str(timeout_s), "--stall", str(stall_s)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    states = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("STATE "):
+            record = json.loads(line[len("STATE "):])
+            states[record["tag"]] = record
+    return proc, states, time.monotonic() - start
+
+
+@pytest.mark.gpu
+@needs_gpu_and_nccl_ep
+def test_a_stalled_op_ends_the_process_with_a_message():
+    proc, states, _ = _run_case("stall", _env(), timeout_s=1.0, stall_s=20.0)
+    assert proc.returncode == EXIT_CODE, (proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
+    assert states["after_good_steps"]["pending"] == 0 and states["after_good_steps"]["fired"] == 0, states
+    assert "gpu_idle" not in states, "the process outlived the stall"
+    message = [line for line in proc.stderr.splitlines() if line.startswith("te_ep watchdog: ")]
+    assert len(message) == 1, proc.stderr[-3000:]
+    for part in ("te_ep.prepare on handle ", "of group '", "(rank 0 of 1)", "limit 1.0 s",
+                 f"exit code {EXIT_CODE}", "TE_EP_WATCHDOG=off"):
+        assert part in message[0], (part, message[0])
+    # It fired about one limit after the prepare was launched, long before the spin ended.
+    waited = float(message[0].split(" s after it was launched")[0].rsplit(" ", 1)[1])
+    assert 1.0 <= waited < 3.0, message[0]
+
+
+@pytest.mark.gpu
+@needs_gpu_and_nccl_ep
+def test_warn_prints_once_and_goes_on():
+    proc, states, _ = _run_case("stall", _env(TE_EP_WATCHDOG="warn"), timeout_s=1.0, stall_s=4.0)
+    assert proc.returncode == 0 and "DONE" in proc.stdout, (proc.stdout[-3000:], proc.stderr[-3000:])
+    message = [line for line in proc.stderr.splitlines() if line.startswith("te_ep watchdog: ")]
+    assert len(message) == 1 and "TE_EP_WATCHDOG=warn: the process goes on" in message[0], proc.stderr[-3000:]
+    assert states["end"]["fired"] == 1 and states["end"]["pending"] == 0, states
+
+
+@pytest.mark.gpu
+@needs_gpu_and_nccl_ep
+def test_off_watches_nothing():
+    proc, states, _ = _run_case("stall", _env(TE_EP_WATCHDOG="off"), timeout_s=1.0, stall_s=3.0)
+    assert proc.returncode == 0 and "DONE" in proc.stdout, (proc.stdout[-3000:], proc.stderr[-3000:])
+    assert "te_ep watchdog" not in proc.stderr
+    assert states["watched_op_launched"]["pending"] == 0 and states["end"]["fired"] == 0, states
+
+
+@pytest.mark.gpu
+@needs_gpu_and_nccl_ep
+def test_good_steps_never_fire_and_markers_retire():
+    proc, states, _ = _run_case("steps", _env(), timeout_s=1.0, stall_s=0.0)
+    assert proc.returncode == 0 and "DONE" in proc.stdout, (proc.stdout[-3000:], proc.stderr[-3000:])
+    assert "te_ep watchdog" not in proc.stderr
+    assert states["end"]["fired"] == 0 and states["end"]["pending"] == 0, states
+    assert states["after_good_steps"]["action"] == "exit"
