@@ -21,7 +21,8 @@ import pytest
 
 from faults import cases as fault_cases
 from faults.expect import Expect, evaluate, judge
-from faults.runner import INJECTED_EXIT_CODE, CaseResult, RankRecord, RunConfig, describe, run_case
+from faults.runner import (INJECTED_EXIT_CODE, WATCHDOG_EXIT_CODE, CaseResult, RankRecord, RunConfig, describe,
+                           run_case)
 
 PG_TIMEOUT_S = 5.0
 CONFIG = RunConfig(backend="reference", device="cpu", pg_timeout_s=PG_TIMEOUT_S)
@@ -157,6 +158,43 @@ def test_judge_completion_exit_and_recovery():
     rec.recovery = [["exact step", "failed: AssertionError: differs"]]
     problems = _problems(rec, done(1, "correct"), expect=clean.but(recovers=True))
     assert any("exact step: failed" in p for p in problems) and any("rank 1: no step ran" in p for p in problems)
+
+
+def test_judge_watchdog_ends():
+    """Ranks declared to be ended by te_ep's watchdog (nccl_ep's default mode): exit code 70, the
+    watchdog's message naming the op, within the time limit; anything else is reported."""
+    watched = Expect(raising="faulty", watchdog="others", watchdog_op="dispatch",
+                     faulty_says=("te_ep.dispatch", "tokens"), names_handle=True)
+    msg = ("te_ep watchdog: te_ep.dispatch on handle 1 of group '0' (rank 0 of 2) has not finished on GPU 0 "
+           "5.0 s after it was launched")
+    ended = lambda **kw: RankRecord(**{**dict(rank=0, status="died", exit_code=WATCHDOG_EXIT_CODE,  # noqa: E731
+                                               message=msg, seconds=5.1), **kw})
+    faulty = _raised(1, _GOOD[1])
+    assert _problems(ended(), faulty, expect=watched) == []
+    for rec, needle in [
+        (ended(exit_code=-9), "expected te_ep's watchdog to end it (exit code 70), got died(-9)"),
+        (RankRecord(rank=0, status="hang"), "expected te_ep's watchdog to end it"),
+        (ended(message=msg.replace("te_ep.dispatch", "te_ep.combine")), "lacks 'te_ep watchdog: te_ep.dispatch"),
+        (ended(seconds=60.0), "ended after 60.0 s"),
+    ]:
+        problems = _problems(rec, faulty, expect=watched)
+        assert any(needle in p for p in problems), (needle, problems)
+
+
+def test_runner_reads_the_watchdog_message_of_a_rank_without_a_record(tmp_path):
+    """A rank the watchdog ended leaves no record: its stderr's watchdog line becomes its message."""
+    from faults import runner
+
+    class Dead:
+        exitcode = WATCHDOG_EXIT_CODE
+
+    path = tmp_path / "rank0.json"
+    (tmp_path / "rank0.stderr").write_text("NCCL EP: using timeout=5000ms\nte_ep watchdog: te_ep.dispatch on "
+                                          "handle 3 of group '0' (rank 0 of 2) has not finished\n")
+    rec, = runner._finish_records([str(path)], [Dead()], t_stop=10.0, seen_dead={0: 9.0})
+    assert rec.status == "died" and rec.exit_code == WATCHDOG_EXIT_CODE and rec.t_end == 9.0
+    assert rec.message.startswith("te_ep watchdog: te_ep.dispatch on handle 3")
+    assert "NCCL EP: using timeout" in rec.traceback
 
 
 def test_judge_flags_a_fixed_shortfall_as_stale():

@@ -247,7 +247,12 @@ class WindowRows {
   // A tensor of another shape and dtype over the window, `byte_offset` in
   // (FP8 dispatch puts its values and scales there).
   at::Tensor hand_out_view(uint64_t byte_offset, at::IntArrayRef sizes, at::ScalarType dtype) {
-    at::Tensor t = at::from_blob(static_cast<char*>(ptr_) + byte_offset, sizes, options_.dtype(dtype));
+    // target_device: the device is known, so torch need not ask the driver
+    // (cudaPointerGetAttributes) on every op that hands the window out.
+    at::Tensor t = at::for_blob(static_cast<char*>(ptr_) + byte_offset, sizes)
+                       .options(options_.dtype(dtype))
+                       .target_device(options_.device())
+                       .make_tensor();
     handed_out_.emplace_back(c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
     return t;
   }
