@@ -571,6 +571,9 @@ class NcclEpBackend final : public Backend {
 
   void watch(const char* op, int64_t handle_id) override {
     if (watchdog::action() == watchdog::Action::kOff) return;
+    // The marker's event must belong to the handle's device, whatever device
+    // the caller has current (the op's own guard is gone by now).
+    c10::cuda::CUDAGuard guard(cfg_.device);
     std::string what = "te_ep.";
     what += op;
     what += " on handle " + std::to_string(handle_id) + watch_label_;
