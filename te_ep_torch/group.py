@@ -412,14 +412,18 @@ class EpHandle:
         ``"synchronous"`` (in the op, on every rank: the reference backend and ``nccl_ep`` with
         ``TE_EP_CHECK_ROUTING=1``), ``"device"`` (``nccl_ep`` with ``TE_EP_DEVICE_CHECKS=1``:
         agreed on the device, raised on every rank at the next ``prepare`` or :meth:`check`) or
-        ``"none"`` (``nccl_ep``'s default)."""
+        ``"local"`` (``nccl_ep``'s default: each rank drops its own bad choices on the device
+        before NCCL EP sees them and records them and a capacity overflow; raised on that rank
+        only, at its next ``prepare`` or :meth:`check`)."""
         return ops.check_mode(self.id)
 
     def check(self) -> None:
-        """Raises, on every rank alike, an error the device checks agreed on in an earlier step
-        that no op has raised yet; a no-op in the other check modes. Waits for the GPU: call it
-        where the training loop synchronizes anyway (e.g. when it reads the loss), or after a
-        CUDA graph's replay."""
+        """Raises an error an earlier step recorded that no op has raised yet: in the
+        ``"device"`` check mode the one the ranks agreed on, alike on every rank; in the
+        ``"local"`` mode this rank's own (bad routing the guard dropped, a capacity overflow);
+        a no-op in the ``"synchronous"`` mode, which raises in the op. Waits for the GPU: call
+        it where the training loop synchronizes anyway (e.g. when it reads the loss), or after
+        a CUDA graph's replay."""
         if self._alive:
             ops.check_handle(self.id)
 

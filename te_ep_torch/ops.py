@@ -87,7 +87,7 @@ def handle_info(handle_id: int) -> Tuple[str, str, int, int]:
 
 
 def check_mode(handle_id: int) -> str:
-    """How a handle catches bad routing and overflow: ``"synchronous"``, ``"device"`` or ``"none"``."""
+    """How a handle catches bad routing and overflow: ``"synchronous"``, ``"device"`` or ``"local"``."""
     return str(torch.ops.te_ep.check_mode(handle_id))
 
 

@@ -115,6 +115,33 @@ __global__ void check_routing_kernel(const Index* idx, int64_t num_tokens, int64
   }
 }
 
+template <typename Index>
+__global__ void guard_routing_kernel(const Index* idx, Index* idx_out, int64_t num_tokens, int64_t top_k,
+                                     int64_t num_experts, HandleState* state) {
+  const int64_t token = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (token >= num_tokens) return;
+  const Index* row = idx + token * top_k;
+  Index* out = idx_out + token * top_k;
+  for (int64_t k = 0; k < top_k; ++k) {
+    const int64_t expert = static_cast<int64_t>(row[k]);
+    int bits = (expert < -1 || expert >= num_experts) ? kBitOutOfRange : 0;
+    if (expert >= 0) {
+      for (int64_t j = 0; j < k; ++j) {
+        if (static_cast<int64_t>(row[j]) == expert) bits |= kBitRepeated;
+      }
+    }
+    out[k] = bits != 0 ? static_cast<Index>(-1) : row[k];
+    if (bits != 0) {
+      atomicOr(&state->guard_bits, bits);
+      const int64_t key = min(token * top_k + k, static_cast<int64_t>(INT_MAX));
+      const int64_t clipped = max(min(expert, static_cast<int64_t>(INT_MAX)), static_cast<int64_t>(INT_MIN));
+      const unsigned long long packed =
+          (static_cast<unsigned long long>(INT_MAX - key) << 32) | static_cast<uint32_t>(static_cast<int32_t>(clipped));
+      atomicMax(&state->guard_first, packed);
+    }
+  }
+}
+
 // ---- device checks ------------------------------------------------------------
 
 template <typename Index>
@@ -273,6 +300,21 @@ void launch_check_routing(const void* topk_idx, bool is_int64, int64_t num_token
                                                                   top_k, num_experts, state);
   }
   check_launch("check_routing_kernel");
+}
+
+void launch_guard_routing(const void* topk_idx, void* idx_out, bool is_int64, int64_t num_tokens, int64_t top_k,
+                          int64_t num_experts, HandleState* state, cudaStream_t stream) {
+  if (num_tokens == 0 || top_k == 0) return;
+  const int threads = 256;
+  const int blocks = static_cast<int>((num_tokens + threads - 1) / threads);
+  if (is_int64) {
+    guard_routing_kernel<int64_t><<<blocks, threads, 0, stream>>>(
+        static_cast<const int64_t*>(topk_idx), static_cast<int64_t*>(idx_out), num_tokens, top_k, num_experts, state);
+  } else {
+    guard_routing_kernel<int32_t><<<blocks, threads, 0, stream>>>(
+        static_cast<const int32_t*>(topk_idx), static_cast<int32_t*>(idx_out), num_tokens, top_k, num_experts, state);
+  }
+  check_launch("guard_routing_kernel");
 }
 
 void launch_check_routing_on_device(const void* topk_idx, bool is_int64, int64_t num_tokens, int64_t top_k,

@@ -186,8 +186,15 @@ class Handle {
 struct HandleState {
   int32_t recv_total_raw;  // NCCL EP's padded total of the last prepare, before any drop
   int32_t total;           // rows in use after the last prepare (<= capacity)
+  // The default mode's sticky record (overflow .. guard_first), copied to the
+  // host in one piece after each prepare (kDefaultRecordBytes):
   int32_t overflow;        // sticky: 1 once any prepare needed more than capacity
   int32_t worst_needed;    // largest recv_total_raw seen while overflowing
+  int32_t guard_bits;      // sticky: routing the guard dropped; bit 0 out of range, bit 1 repeated
+  int32_t guard_pad;
+  // sticky: the first bad choice the guard dropped, as (INT32_MAX - t * top_k - k) << 32
+  // | (uint32) its id: the largest is the first (atomicMax)
+  unsigned long long guard_first;
   int32_t routing_error;   // TE_EP_CHECK_ROUTING: bit 0 out of range, bit 1 duplicate
   int32_t first_bad_token; // TE_EP_CHECK_ROUTING: lowest token index with an error
   int32_t dirty_recv;      // zero-copy: rows of the dispatch window that may hold old data
@@ -197,6 +204,13 @@ struct HandleState {
   int32_t check_first_key; // lowest t * top_k + k with an error
   int32_t poisoned;        // 1: this step's outputs are zeros (a rank's routing or capacity failed)
 };
+
+// Bytes of the default mode's sticky record, from HandleState::overflow on.
+constexpr size_t kDefaultRecordBytes = 4 * sizeof(int32_t) + sizeof(unsigned long long);
+static_assert(offsetof(HandleState, guard_first) % 8 == 0, "guard_first needs 8-byte alignment (atomicMax)");
+static_assert(offsetof(HandleState, guard_first) + sizeof(unsigned long long) - offsetof(HandleState, overflow) ==
+                  kDefaultRecordBytes,
+              "the default mode's record must be one contiguous piece");
 
 // Device checks: what each rank found in one step, gathered on every rank by a
 // sum all-reduce of [W][kRecordInts] int32 (a rank fills only its own row).
@@ -235,6 +249,13 @@ void launch_copy_used_rows(const HandleState* state, const void* src, void* dst,
 // Validates topk_idx [num_tokens, top_k]: ids in [-1, num_experts), no expert
 // twice in a row. Resets and then fills state->routing_error/first_bad_token.
 void launch_check_routing(const void* topk_idx, bool is_int64, int64_t num_tokens, int64_t top_k,
+                          int64_t num_experts, HandleState* state, cudaStream_t stream);
+
+// The default mode's routing guard: copies topk_idx to idx_out with every
+// choice that is out of range ([-1, E)) or repeats an expert earlier in its row
+// replaced by -1 (NCCL EP never sees it), and records the first such choice in
+// the sticky guard_bits / guard_first. No host sync; capturable.
+void launch_guard_routing(const void* topk_idx, void* idx_out, bool is_int64, int64_t num_tokens, int64_t top_k,
                           int64_t num_experts, HandleState* state, cudaStream_t stream);
 
 // ---- device checks (TE_EP_DEVICE_CHECKS=1; nccl_ep_kernels.cu) -------------

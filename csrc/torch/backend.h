@@ -84,7 +84,9 @@ class Backend {
   // How bad routing and capacity overflow are caught: "synchronous" (every op,
   // host sync; the reference backend and TE_EP_CHECK_ROUTING=1), "device"
   // (nccl_ep with TE_EP_DEVICE_CHECKS=1: agreed on the device, raised at the
-  // next prepare or raise_pending_errors) or "none" (nccl_ep's default).
+  // next prepare or raise_pending_errors) or "local" (nccl_ep's default: each
+  // rank drops its own bad choices and records them and its overflow on the
+  // device, raised on that rank by its next prepare or raise_pending_errors).
   virtual std::string check_mode() const { return "synchronous"; }
   // Raises an error the device checks agreed on and the host has not raised
   // yet (waits for the GPU); a no-op where errors are raised in the op.

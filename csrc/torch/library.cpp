@@ -18,7 +18,7 @@ TORCH_LIBRARY(te_ep, m) {
   // the device bytes it holds: communication windows and handle memory.
   m.def("handle_info(int handle_id) -> (str mode, str mode_reason, int window_bytes, int handle_mem_bytes)");
   // How bad routing and capacity overflow are caught ("synchronous", "device"
-  // or "none"; docs/ops.md, "Faults and bad input"), and, for "device", raise
+  // or "local"; docs/ops.md, "Faults and bad input"), and, for "device", raise
   // an error the ranks agreed on that no op has raised yet (waits for the GPU).
   m.def("check_mode(int handle_id) -> str");
   m.def("check_handle(int handle_id) -> ()");

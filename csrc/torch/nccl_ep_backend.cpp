@@ -283,7 +283,8 @@ class NcclEpBackend final : public Backend {
     c10::cuda::CUDAGuard guard(cfg_.device);
     const auto ints = at::TensorOptions().dtype(at::kInt).device(cfg_.device);
     state_ = at::zeros({static_cast<int64_t>(sizeof(ne::HandleState) / sizeof(int32_t))}, ints);
-    overflow_host_ = at::zeros({2}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+    overflow_host_ = at::zeros({static_cast<int64_t>(ne::kDefaultRecordBytes / sizeof(int32_t))},
+                               at::TensorOptions().dtype(at::kInt).pinned_memory(true));
     C10_CUDA_CHECK(cudaEventCreateWithFlags(&overflow_ready_, cudaEventDisableTiming));
     if (device_checks_) {
       // [W * kRecordInts] routing record, then [W] overflow record; the sticky
@@ -391,7 +392,15 @@ class NcclEpBackend final : public Backend {
     at::Tensor idx = topk_idx.contiguous();
     const int64_t num_tokens = idx.size(0);
     const int64_t top_k = idx.size(1);
-    if (device_checks_) idx = agree_on_routing(idx, stream);
+    if (device_checks_) {
+      idx = agree_on_routing(idx, stream);
+    } else if (!check_routing_) {
+      // The routing guard: bad choices become -1 before NCCL EP reads them.
+      at::Tensor safe = at::empty_like(idx);
+      ne::launch_guard_routing(idx.data_ptr(), safe.data_ptr(), idx.scalar_type() == at::kLong, num_tokens, top_k,
+                               cfg_.num_experts, state(), stream);
+      idx = safe;
+    }
 
     const auto int_options = at::TensorOptions().dtype(at::kInt).device(cfg_.device);
     at::Tensor expert_counts = at::empty({cfg_.num_local_experts()}, int_options);
@@ -411,7 +420,7 @@ class NcclEpBackend final : public Backend {
     } else if (check_routing_) {
       check_overflow_now(stream);
     } else if (!capturing) {
-      C10_CUDA_CHECK(cudaMemcpyAsync(overflow_host_.data_ptr(), &state()->overflow, 2 * sizeof(int32_t),
+      C10_CUDA_CHECK(cudaMemcpyAsync(overflow_host_.data_ptr(), &state()->overflow, ne::kDefaultRecordBytes,
                                      cudaMemcpyDeviceToHost, stream));
       C10_CUDA_CHECK(cudaEventRecord(overflow_ready_, stream));
       overflow_pending_ = true;
@@ -585,15 +594,24 @@ class NcclEpBackend final : public Backend {
   int64_t watchdog_timeout_ms() const { return cfg_.timeout_ms > 0 ? cfg_.timeout_ms : kDefaultWatchdogMs; }
 
   std::string check_mode() const override {
-    return check_routing_ ? "synchronous" : device_checks_ ? "device" : "none";
+    return check_routing_ ? "synchronous" : device_checks_ ? "device" : "local";
   }
 
   void raise_pending_errors() override {
-    if (!device_checks_) return;
+    if (check_routing_) return;  // raised in the op itself
     c10::cuda::CUDAGuard guard(cfg_.device);
     cudaStream_t stream = current_stream();
     TORCH_CHECK(!is_capturing(stream), "te_ep: EpHandle.check() waits for the GPU and cannot run under CUDA graph "
                 "capture; call it after the graph's replay");
+    if (!device_checks_) {
+      // Default mode: this rank's record of every step so far.
+      C10_CUDA_CHECK(cudaMemcpyAsync(overflow_host_.data_ptr(), &state()->overflow, ne::kDefaultRecordBytes,
+                                     cudaMemcpyDeviceToHost, stream));
+      C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+      overflow_pending_ = false;
+      raise_recorded_error();
+      return;
+    }
     C10_CUDA_CHECK(cudaMemcpyAsync(sticky_host_.data_ptr(), sticky_.data_ptr(), sticky_.nbytes(),
                                    cudaMemcpyDeviceToHost, stream));
     C10_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -732,13 +750,14 @@ class NcclEpBackend final : public Backend {
     return msg.str();
   }
 
+  // Clears the default mode's sticky record (overflow and the routing guard's).
   void reset_overflow(cudaStream_t stream) {
-    C10_CUDA_CHECK(cudaMemsetAsync(&state()->overflow, 0, 2 * sizeof(int32_t), stream));
+    C10_CUDA_CHECK(cudaMemsetAsync(&state()->overflow, 0, ne::kDefaultRecordBytes, stream));
   }
 
-  // Default mode: the flag of an earlier prepare, copied asynchronously; read
+  // Default mode: the record of an earlier prepare, copied asynchronously; read
   // only once its copy has completed, so this never waits for the GPU. Raises
-  // on the overflowing rank only, one or more steps late.
+  // on the faulty rank only, one or more steps late.
   void raise_overflow_seen_earlier() {
     if (!overflow_pending_) return;
     const cudaError_t ready = cudaEventQuery(overflow_ready_);
@@ -748,10 +767,34 @@ class NcclEpBackend final : public Backend {
     }
     C10_CUDA_CHECK(ready);
     overflow_pending_ = false;
+    raise_recorded_error();
+  }
+
+  // The default mode's record, in overflow_host_: raises what it holds (bad
+  // routing the guard dropped first, then overflow) and clears it.
+  void raise_recorded_error() {
     const int32_t* host = overflow_host_.data_ptr<int32_t>();
-    if (host[0] == 0) return;
+    const int32_t overflowed = host[0];
     const int32_t needed = host[1];
+    const int32_t guard_bits = host[2];
+    unsigned long long first = 0;
+    std::memcpy(&first, host + 4, sizeof(first));
+    if (overflowed == 0 && guard_bits == 0) return;
     reset_overflow(current_stream());
+    if (guard_bits != 0) {
+      const int64_t key = INT32_MAX - static_cast<int64_t>(first >> 32);
+      const int32_t value = static_cast<int32_t>(static_cast<uint32_t>(first & 0xffffffffULL));
+      std::ostringstream msg;
+      msg << "te_ep.prepare: the routing of an earlier step on rank " << cfg_.rank << " had "
+          << ((guard_bits & ne::kBitOutOfRange) ? "an expert id outside [-1, " + std::to_string(cfg_.num_experts) + ")"
+                                                 : std::string("an expert named twice in a token's row"))
+          << ((guard_bits & ne::kBitOutOfRange) && (guard_bits & ne::kBitRepeated) ? " and a repeated expert" : "")
+          << ", first at topk_idx[" << key / cfg_.top_k << ", " << key % cfg_.top_k << "] = " << value
+          << ". te_ep dropped every such choice before NCCL EP saw it, so that step's outputs lack them. "
+             "TE_EP_DEVICE_CHECKS=1 makes such a step move nothing on every rank and raises it on every rank; "
+             "TE_EP_CHECK_ROUTING=1 raises in the step itself";
+      TORCH_CHECK(false, msg.str());
+    }
     TORCH_CHECK(false, overflow_message(needed), " (detected after an earlier step; set TE_EP_CHECK_ROUTING=1 "
                 "to raise in the overflowing step on every rank)");
   }

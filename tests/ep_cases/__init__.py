@@ -48,6 +48,7 @@ from .errors import (
     case_destroyed_handle,
     case_destroyed_handle_one_rank,
     case_device_checks,
+    case_routing_guard,
     case_dispatch_before_prepare,
     case_stale_backward,
 )
@@ -130,6 +131,7 @@ CASES = [
     Case("smoke_8_ranks_moe", case_moe_dense, (MOE_LAYERS["two_layers"],), world_sizes=(8,), timeout=120),
     Case("cuda_graph", case_cuda_graph, world_sizes=(), only_non_reference=True, timeout=180),
     Case("device_checks", case_device_checks, world_sizes=(), only_non_reference=True, timeout=180),
+    Case("routing_guard", case_routing_guard, world_sizes=(), only_non_reference=True, timeout=180),
     Case("backend_agreement", case_backend_agreement,
          ([Step(top_k=2, hidden=64, dtype="bf16"), Step(top_k=4, hidden=32, dtype="fp32", alignment=16,
                                                          drop=0.2, tokens=(13, 0, 7))],),

@@ -462,6 +462,69 @@ def case_stale_backward(ctx) -> None:
     group.shutdown()
 
 
+def case_routing_guard(ctx) -> None:
+    """nccl_ep's default check mode, "local" (docs/ops.md, "Check modes"): a bad expert id
+    (out of range, or repeated in its row) on one rank never reaches NCCL EP: the step runs on
+    every rank exactly as if that choice were -1, and the faulty rank's EpHandle.check(), or
+    its next prepare, raises the first bad choice with its token, choice and value; the other
+    ranks have nothing to raise. Good steps before and after are exact."""
+    W, last = ctx.world_size, ctx.rank == ctx.world_size - 1
+    dev = torch.device(ctx.device)
+    for name in ("TE_EP_DEVICE_CHECKS", "TE_EP_CHECK_ROUTING"):
+        assert os.environ.get(name) != "1", f"the routing guard is the default mode: run without {name}=1"
+    group = make_group(ctx, ERROR_STEP)
+    handle = group.create_handle(top_k=ERROR_STEP.top_k, hidden=ERROR_STEP.hidden, dtype=ERROR_STEP.torch_dtype())
+    assert handle.check_mode == "local", handle.check_mode
+    run_exact_step(ctx, group, handle, ERROR_STEP, ctx.rank, W, tag="routing guard, before: ")
+    handle.check()  # nothing to raise
+
+    idx_all, w_all = all_inputs(ERROR_STEP, W)
+    E = group.num_experts
+    x = fingerprint(ctx.rank, idx_all[ctx.rank].shape[0], ERROR_STEP.hidden, ERROR_STEP.torch_dtype()).to(dev)
+    w = w_all[ctx.rank].to(dev)
+
+    def step(idx):
+        out = te.ep_dispatch(handle, x, idx.to(dev), w)
+        y = te.ep_combine(handle, out.tokens * out.weights[:, None].to(out.tokens.dtype), x.shape[0])
+        return out.total.item(), y
+
+    for bad_value, message in ((E, f"an expert id outside [-1, {E})"), (-3, f"an expert id outside [-1, {E})"),
+                               (None, "an expert named twice")):
+        bad = idx_all[ctx.rank].clone()
+        clean = bad.clone()
+        if bad_value is None:  # a repeat: choice 1 of token 3 names choice 0's expert
+            bad[3, 1] = bad[3, 0]
+            clean[3, 1] = -1
+            where = f"topk_idx[3, 1] = {int(bad[3, 0])}"
+        else:
+            bad[3, 0] = bad_value
+            clean[3, 0] = -1
+            where = f"topk_idx[3, 0] = {bad_value}"
+        assert int(idx_all[ctx.rank][3, 0]) >= 0, "the case needs token 3's first choice to be an expert"
+        if not last:
+            bad = clean = idx_all[ctx.rank]
+        total_bad, y_bad = step(bad)  # runs on every rank, nothing raised in the step
+        # Raised before the next prepare of the faulty rank would raise it (and leave the others waiting).
+        if last:
+            expect_raises(handle.check, f"on rank {W - 1}", message, where, f"handle {handle.id}")
+        handle.check()  # raised once: nothing left (on any rank)
+        total_clean, y_clean = step(clean)
+        assert total_bad == total_clean, (total_bad, total_clean)
+        torch.testing.assert_close(y_bad, y_clean, atol=0, rtol=0,
+                                   msg=lambda m: f"rank {ctx.rank}: the guarded step differs from the one without "
+                                                 f"the bad choice: {m}")
+        run_exact_step(ctx, group, handle, ERROR_STEP, ctx.rank, W, tag=f"routing guard, after {where}: ")
+
+    # Every rank bad in the same step: every rank's next prepare raises, so none waits for another.
+    bad = idx_all[ctx.rank].clone()
+    bad[0, 0] = E + ctx.rank
+    step(bad)
+    expect_raises(lambda: handle.prepare(idx_all[ctx.rank].to(dev)), f"on rank {ctx.rank}",
+                  f"topk_idx[0, 0] = {E + ctx.rank}", f"handle {handle.id}")
+    run_exact_step(ctx, group, handle, ERROR_STEP, ctx.rank, W, tag="routing guard, after prepare raised: ")
+    group.shutdown()
+
+
 @contextlib.contextmanager
 def _device_checks_env():
     """TE_EP_DEVICE_CHECKS=1 while handles are created (read then)."""

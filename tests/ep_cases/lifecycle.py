@@ -46,7 +46,7 @@ def case_group_api(ctx) -> None:
             raise AssertionError("HandleConfig is not frozen")
         assert h.id in torch.ops.te_ep.live_handles()
         sync = g.backend == "reference" or os.environ.get("TE_EP_CHECK_ROUTING") == "1"
-        expected_mode = "synchronous" if sync else "device" if os.environ.get("TE_EP_DEVICE_CHECKS") == "1" else "none"
+        expected_mode = "synchronous" if sync else "device" if os.environ.get("TE_EP_DEVICE_CHECKS") == "1" else "local"
         assert h.check_mode == expected_mode, (h.check_mode, expected_mode)
         h.check()
         g.check()

@@ -302,8 +302,10 @@ def _arg_error(op: str, *faulty_says) -> Expect:
 
 
 
-NCCL_EP_ROUTING_DEFAULT = ("not checked (values of topk_idx need a device sync; docs/ops.md): NCCL EP gets the "
-                           "ids as they are, behaviour undefined (wrong rows, a device fault or a hang)")
+NCCL_EP_ROUTING_DEFAULT = ("the routing guard drops the bad choice on the faulty rank before NCCL EP sees it "
+                           "(no host sync); the step completes on every rank without it, and the faulty rank's next "
+                           "prepare (or EpHandle.check()) raises `te_ep.prepare: the routing of an earlier step on rank "
+                           "r had ...`; the others then wait in that prepare until te_ep's watchdog ends them")
 NCCL_EP_ARG_DEFAULT = ("the faulty rank raises its own message at once; the others go on into NCCL EP's "
                        "dispatch, whose kernels wait for the faulty rank without a limit, until te_ep's watchdog "
                        "ends them (exit code 70) one process-group timeout after the launch")
