@@ -120,6 +120,11 @@ void poll_locked(State& s, Action act) {
 }
 
 void run(Action act) {
+  // Relaxed: this thread's event queries must never count as unsafe calls
+  // against a CUDA graph that another thread captures in global mode (torch's
+  // default), which would invalidate that capture.
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  (void)cudaThreadExchangeStreamCaptureMode(&mode);
   State& s = state();
   std::unique_lock<std::mutex> lock(s.mu);
   while (!s.stopping) {

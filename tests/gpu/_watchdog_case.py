@@ -12,6 +12,10 @@ pending). With TE_EP_WATCHDOG unset the process must end with exit code 70 about
 ``steps``: good steps only, the limit short; nothing may fire, and every marker must be
 retired once the GPU is idle.
 
+``capture``: while markers are pending (a spinning kernel ahead of a ``prepare``), the main
+thread captures a CUDA graph in torch's default (global) capture mode for longer than a few
+polls: the watchdog thread's event queries must not invalidate that capture.
+
 Prints ``STATE <json>`` lines (watchdog state, timestamps) and ``DONE`` at the end.
 """
 
@@ -55,7 +59,7 @@ def cycles_per_second() -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("case", choices=("stall", "steps"))
+    p.add_argument("case", choices=("stall", "steps", "capture"))
     p.add_argument("--timeout", type=float, default=1.0, help="EpGroup(timeout=...), seconds")
     p.add_argument("--stall", type=float, default=8.0, help="seconds the GPU spins ahead of the watched ops")
     args = p.parse_args()
@@ -95,6 +99,27 @@ def main() -> None:
         torch.cuda.synchronize()
         torch.testing.assert_close(y, expected, atol=0.05, rtol=0.02)
         time.sleep(0.5)  # two polls: the markers of that step retired
+    elif args.case == "capture":
+        rate = cycles_per_second()
+        torch.cuda._sleep(int(args.stall * rate))
+        handle.prepare(idx)  # its marker stays pending while the graph is captured
+        state("watched_op_launched")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        a = torch.ones(1024, device=device)
+        with torch.cuda.stream(side):
+            with torch.cuda.graph(graph, stream=side):  # capture_error_mode "global", torch's default
+                b = a
+                for _ in range(5):
+                    b = b * 2
+                    time.sleep(0.1)  # about five polls of the watchdog during the capture
+        torch.cuda.synchronize()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(b, torch.full_like(a, 32.0)), b[:4]
+        state("captured", pending_during=True)
+        time.sleep(0.5)
     else:
         for _ in range(20):
             step()

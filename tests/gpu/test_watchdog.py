@@ -125,3 +125,15 @@ def test_good_steps_never_fire_and_markers_retire():
     assert "te_ep watchdog" not in proc.stderr
     assert states["end"]["fired"] == 0 and states["end"]["pending"] == 0, states
     assert states["after_good_steps"]["action"] == "exit"
+
+
+@pytest.mark.gpu
+@needs_gpu_and_nccl_ep
+def test_polling_does_not_break_a_graph_capture():
+    """The watchdog thread queries events while the main thread captures a CUDA graph in
+    global mode (torch's default): the capture must succeed (the thread runs in relaxed
+    capture mode) and nothing fires."""
+    proc, states, _ = _run_case("capture", _env(), timeout_s=30.0, stall_s=2.0)
+    assert proc.returncode == 0 and "DONE" in proc.stdout, (proc.stdout[-3000:], proc.stderr[-3000:])
+    assert states["watched_op_launched"]["pending"] >= 1, states
+    assert "captured" in states and states["end"]["fired"] == 0 and states["end"]["pending"] == 0, states
