@@ -135,6 +135,9 @@ def main() -> int:
     if rank == 0:
         for name, why in skipped:
             print(f"SKIP {name}: {why}", flush=True)
+        if not cases:
+            print(f"no case selected at world size {world_size} (patterns {args.patterns}); the cases need at "
+                  f"least {min(c.min_world for c in ep_cases.CASES)} ranks, so a run without cases fails", flush=True)
     counts = [0, 0]
     watchdog = _Watchdog(rank)
     for case in cases:
