@@ -298,6 +298,8 @@ class EpGroup:
                         f"create_handle: FP8 dispatch scales blocks of {ops.FP8_BLOCK} values, so hidden must be a "
                         f"multiple of {ops.FP8_BLOCK}, got hidden={hidden}"
                     )
+            if self.backend == "nccl_ep":
+                ops.watchdog_state()  # a bad $TE_EP_WATCHDOG raises here, agreed like any argument error
             if capacity is None:
                 worst = self.worst_case_capacity(top_k, alignment)
                 if self.backend == "nccl_ep":

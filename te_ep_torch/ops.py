@@ -91,6 +91,15 @@ def check_mode(handle_id: int) -> str:
     return str(torch.ops.te_ep.check_mode(handle_id))
 
 
+def watchdog_state() -> Tuple[str, int, int]:
+    """The nccl_ep watchdog (docs/nccl_ep.md, "Timeouts"): ``(action, markers pending,
+    times fired)``; action is ``$TE_EP_WATCHDOG`` (``"exit"``, ``"warn"``, ``"off"``), or
+    ``"unavailable"`` in a build without CUDA. Raises ``RuntimeError`` naming the variable
+    for any other value of it."""
+    action, pending, fired = torch.ops.te_ep._watchdog_state()
+    return str(action), int(pending), int(fired)
+
+
 def check_handle(handle_id: int) -> None:
     """Raises an error the ranks agreed on (device checks) that no op raised yet; waits for the GPU."""
     torch.ops.te_ep.check_handle(handle_id)
