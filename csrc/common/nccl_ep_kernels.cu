@@ -94,6 +94,21 @@ __global__ void copy_used_rows_kernel(const HandleState* state, const uint4* src
   }
 }
 
+// What is wrong with choice k of a token's row: kBitOutOfRange (not in
+// [-1, E)) and/or kBitRepeated (an expert named earlier in the row); 0 if
+// nothing. One rule for every check mode.
+template <typename Index>
+__device__ int choice_error_bits(const Index* row, int64_t k, int64_t num_experts) {
+  const int64_t expert = static_cast<int64_t>(row[k]);
+  int bits = (expert < -1 || expert >= num_experts) ? kBitOutOfRange : 0;
+  if (expert >= 0) {
+    for (int64_t j = 0; j < k; ++j) {
+      if (static_cast<int64_t>(row[j]) == expert) bits |= kBitRepeated;
+    }
+  }
+  return bits;
+}
+
 template <typename Index>
 __global__ void check_routing_kernel(const Index* idx, int64_t num_tokens, int64_t top_k, int64_t num_experts,
                                      HandleState* state) {
@@ -101,14 +116,7 @@ __global__ void check_routing_kernel(const Index* idx, int64_t num_tokens, int64
   if (token >= num_tokens) return;
   const Index* row = idx + token * top_k;
   int error = 0;
-  for (int64_t k = 0; k < top_k; ++k) {
-    const int64_t expert = static_cast<int64_t>(row[k]);
-    if (expert < -1 || expert >= num_experts) error |= 1;
-    if (expert < 0) continue;
-    for (int64_t j = 0; j < k; ++j) {
-      if (static_cast<int64_t>(row[j]) == expert) error |= 2;
-    }
-  }
+  for (int64_t k = 0; k < top_k; ++k) error |= choice_error_bits(row, k, num_experts);
   if (error != 0) {
     atomicOr(&state->routing_error, error);
     atomicMin(&state->first_bad_token, static_cast<int32_t>(min(token, static_cast<int64_t>(INT_MAX))));
@@ -123,15 +131,10 @@ __global__ void guard_routing_kernel(const Index* idx, Index* idx_out, int64_t n
   const Index* row = idx + token * top_k;
   Index* out = idx_out + token * top_k;
   for (int64_t k = 0; k < top_k; ++k) {
-    const int64_t expert = static_cast<int64_t>(row[k]);
-    int bits = (expert < -1 || expert >= num_experts) ? kBitOutOfRange : 0;
-    if (expert >= 0) {
-      for (int64_t j = 0; j < k; ++j) {
-        if (static_cast<int64_t>(row[j]) == expert) bits |= kBitRepeated;
-      }
-    }
+    const int bits = choice_error_bits(row, k, num_experts);
     out[k] = bits != 0 ? static_cast<Index>(-1) : row[k];
     if (bits != 0) {
+      const int64_t expert = static_cast<int64_t>(row[k]);
       atomicOr(&state->guard_bits, bits);
       const int64_t key = min(token * top_k + k, static_cast<int64_t>(INT_MAX));
       const int64_t clipped = max(min(expert, static_cast<int64_t>(INT_MAX)), static_cast<int64_t>(INT_MIN));
@@ -151,13 +154,7 @@ __global__ void check_routing_on_device_kernel(const Index* idx, int64_t num_tok
   if (token >= num_tokens) return;
   const Index* row = idx + token * top_k;
   for (int64_t k = 0; k < top_k; ++k) {
-    const int64_t expert = static_cast<int64_t>(row[k]);
-    int bits = (expert < -1 || expert >= num_experts) ? kBitOutOfRange : 0;
-    if (expert >= 0) {
-      for (int64_t j = 0; j < k; ++j) {
-        if (static_cast<int64_t>(row[j]) == expert) bits |= kBitRepeated;
-      }
-    }
+    const int bits = choice_error_bits(row, k, num_experts);
     if (bits != 0) {
       atomicOr(&state->check_bits, bits);
       atomicMin(&state->check_first_key, static_cast<int32_t>(token * top_k + k));
