@@ -43,7 +43,6 @@ struct State {
   std::set<int> broken_devices;  // a CUDA error there: nothing to watch any more
   bool started = false;
   bool stopping = false;
-  int64_t pending = 0;
   int64_t fired = 0;
 };
 
@@ -114,7 +113,6 @@ void poll_locked(State& s, Action act) {
         }
       }
       queue.pop_front();
-      --s.pending;
     }
   }
 }
@@ -178,7 +176,6 @@ void watch(cudaStream_t stream, int device, int64_t timeout_ms, const std::strin
     return;
   }
   s.streams[stream].push_back(Marker{event, device, Clock::now(), timeout_ms, what});
-  ++s.pending;
   if (!s.started) {
     s.started = true;
     std::thread(run, act).detach();
@@ -190,14 +187,15 @@ void stop() {
   std::lock_guard<std::mutex> lock(s.mu);
   s.stopping = true;
   s.streams.clear();
-  s.pending = 0;
   s.wake.notify_all();
 }
 
 int64_t pending() {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
-  return s.pending;
+  int64_t total = 0;
+  for (const auto& entry : s.streams) total += static_cast<int64_t>(entry.second.size());
+  return total;
 }
 
 int64_t fired() {

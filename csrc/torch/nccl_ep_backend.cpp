@@ -420,8 +420,7 @@ class NcclEpBackend final : public Backend {
     } else if (check_routing_) {
       check_overflow_now(stream);
     } else if (!capturing) {
-      C10_CUDA_CHECK(cudaMemcpyAsync(overflow_host_.data_ptr(), &state()->overflow, ne::kDefaultRecordBytes,
-                                     cudaMemcpyDeviceToHost, stream));
+      copy_record_to_host(stream);
       C10_CUDA_CHECK(cudaEventRecord(overflow_ready_, stream));
       overflow_pending_ = true;
     }
@@ -605,8 +604,7 @@ class NcclEpBackend final : public Backend {
                 "capture; call it after the graph's replay");
     if (!device_checks_) {
       // Default mode: this rank's record of every step so far.
-      C10_CUDA_CHECK(cudaMemcpyAsync(overflow_host_.data_ptr(), &state()->overflow, ne::kDefaultRecordBytes,
-                                     cudaMemcpyDeviceToHost, stream));
+      copy_record_to_host(stream);
       C10_CUDA_CHECK(cudaStreamSynchronize(stream));
       overflow_pending_ = false;
       raise_recorded_error();
@@ -748,6 +746,12 @@ class NcclEpBackend final : public Backend {
                                        << (bits & ne::kBitOutOfRange ? "" : ")");
     }
     return msg.str();
+  }
+
+  // The default mode's sticky record into overflow_host_ (asynchronous).
+  void copy_record_to_host(cudaStream_t stream) {
+    C10_CUDA_CHECK(cudaMemcpyAsync(overflow_host_.data_ptr(), &state()->overflow, ne::kDefaultRecordBytes,
+                                   cudaMemcpyDeviceToHost, stream));
   }
 
   // Clears the default mode's sticky record (overflow and the routing guard's).

@@ -39,7 +39,7 @@ T, H, E, K = 256, 1024, 8, 2
 
 
 def state(tag: str, **extra) -> None:
-    action, pending, fired = torch.ops.te_ep._watchdog_state()
+    action, pending, fired = te.ops.watchdog_state()
     print("STATE " + json.dumps({"tag": tag, "action": action, "pending": pending, "fired": fired,
                                  "t": time.monotonic(), **extra}), flush=True)
 

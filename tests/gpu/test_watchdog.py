@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import te_ep_torch  # noqa: F401  (loads the op library)
-from te_ep_torch import _nccl_ep
+from te_ep_torch import _nccl_ep, ops
 
 REPO = Path(__file__).resolve().parents[2]
 CASE = Path(__file__).with_name("_watchdog_case.py")
@@ -41,12 +41,12 @@ def _env(**extra) -> dict:
 
 
 def _state_of_a_fresh_process(env: dict) -> subprocess.CompletedProcess:
-    code = "import te_ep_torch, torch; print(tuple(torch.ops.te_ep._watchdog_state()))"
+    code = "from te_ep_torch import ops; print(ops.watchdog_state())"
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_watchdog_state_op_reports_the_action():
-    action, pending, fired = torch.ops.te_ep._watchdog_state()
+    action, pending, fired = ops.watchdog_state()
     assert action in ("exit", "warn", "off", "unavailable")
     assert pending >= 0 and fired >= 0
 
@@ -54,7 +54,7 @@ def test_watchdog_state_op_reports_the_action():
 @pytest.mark.parametrize("value,action", [("", "exit"), ("exit", "exit"), ("warn", "warn"), ("off", "off"),
                                           ("0", "off")])
 def test_action_follows_the_env(value, action):
-    if torch.ops.te_ep._watchdog_state()[0] == "unavailable":
+    if ops.watchdog_state()[0] == "unavailable":
         pytest.skip("te_ep_torch was built without CUDA: no watchdog")
     proc = _state_of_a_fresh_process(_env(TE_EP_WATCHDOG=value))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -62,7 +62,7 @@ def test_action_follows_the_env(value, action):
 
 
 def test_bad_env_value_is_an_error_naming_the_variable():
-    if torch.ops.te_ep._watchdog_state()[0] == "unavailable":
+    if ops.watchdog_state()[0] == "unavailable":
         pytest.skip("te_ep_torch was built without CUDA: no watchdog")
     proc = _state_of_a_fresh_process(_env(TE_EP_WATCHDOG="sometimes"))
     assert proc.returncode != 0
