@@ -78,8 +78,9 @@ against nccl.ep's row of the same op and mode (combine_copy against nccl.ep's
 zero-copy combine, so it prices te_ep's copy into the window). Below the
 worst-case capacity te_ep runs NCCL EP with the DROP overflow policy (in the
 staged mode NCCL EP then zero-fills the receive buffer on every dispatch) while
-nccl.ep uses TRAP; te_ep also zeroes receive rows past the last zone and
-zero-fills each combine output. ``x alone`` includes all of that.
+nccl.ep uses TRAP; te_ep also zeroes receive rows past the last zone and the
+combine output rows of tokens without any valid choice. ``x alone`` includes all
+of that.
 
 Bandwidth follows DeepEP's convention: a token sent to a rank counts once per
 destination rank, however many of that rank's experts it goes to.

@@ -1,9 +1,9 @@
 // Small kernels around NCCL EP calls: overflow bookkeeping after prepare,
-// zeroing of unused receive rows, copies into zero-copy windows, the debug
-// routing check, and the device checks (routing and overflow agreed on the
-// device, poisoned steps zeroed). Each is one
-// launch on the caller's stream, with no host synchronisation, so the ops stay
-// capturable in a CUDA graph.
+// zeroing of unused receive rows and of unrouted tokens' output rows, copies
+// into zero-copy windows, the routing guard, the debug routing check, and the
+// device checks (routing and overflow agreed on the device, poisoned steps
+// zeroed). Each is one launch on the caller's stream, with no host
+// synchronisation, so the ops stay capturable in a CUDA graph.
 #include "common/nccl_ep_wrap.h"
 
 #if TE_EP_WITH_CUDA && TE_EP_WITH_NCCL_EP
@@ -32,7 +32,7 @@ void check_launch(const char* kernel) {
 constexpr int kWarp = 32;
 
 __global__ void finish_prepare_kernel(HandleState* state, int32_t* counts, int64_t num_local_experts,
-                                      int32_t* total_out, int64_t capacity) {
+                                      int32_t* total_out, int64_t capacity, int32_t* host_record) {
   int64_t sum = 0;
   for (int64_t e = threadIdx.x; e < num_local_experts; e += kWarp) sum += counts[e];
   for (int offset = kWarp / 2; offset > 0; offset /= 2) sum += __shfl_down_sync(0xffffffffu, sum, offset);
@@ -55,12 +55,18 @@ __global__ void finish_prepare_kernel(HandleState* state, int32_t* counts, int64
   }
   state->total = static_cast<int32_t>(total);
   total_out[0] = static_cast<int32_t>(total);
+  if (host_record != nullptr) {
+    const int32_t* record = &state->overflow;
+    volatile int32_t* dst = host_record;
+    for (size_t i = 0; i < kDefaultRecordBytes / sizeof(int32_t); ++i) dst[i] = record[i];
+    __threadfence_system();
+  }
 }
 
-__global__ void zero_unused_rows_kernel(const HandleState* state, uint4* rows, int64_t vecs_per_row,
-                                        float* weights, int64_t capacity, const int32_t* dirty_rows) {
+__global__ void zero_unused_rows_kernel(HandleState* state, uint4* rows, int64_t vecs_per_row, float* weights,
+                                        int64_t capacity, DirtyRows* dirty) {
   const int64_t first_row = min(static_cast<int64_t>(state->total), capacity);
-  const int64_t end_row = dirty_rows == nullptr ? capacity : min(static_cast<int64_t>(*dirty_rows), capacity);
+  const int64_t end_row = dirty == nullptr ? capacity : min(static_cast<int64_t>(dirty->rows), capacity);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t start = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t vecs = max(end_row - first_row, int64_t{0}) * vecs_per_row;
@@ -70,18 +76,54 @@ __global__ void zero_unused_rows_kernel(const HandleState* state, uint4* rows, i
   if (weights != nullptr) {
     for (int64_t i = first_row + start; i < capacity; i += stride) weights[i] = 0.0f;
   }
+  if (dirty == nullptr) return;
+  // Lower dirty->rows once every block has read it: the last block to finish
+  // does it (and resets the count for the next launch).
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  __threadfence();
+  if (atomicAdd(&dirty->blocks_done, 1u) != gridDim.x - 1) return;
+  dirty->rows = static_cast<int32_t>(first_row);
+  dirty->blocks_done = 0;
 }
 
-// Runs after zero_unused_rows_kernel on the same stream: every block of that
-// grid has read *dirty_rows by then.
-__global__ void lower_dirty_rows_kernel(const HandleState* state, int32_t* dirty_rows, int64_t capacity) {
-  *dirty_rows = static_cast<int32_t>(min(static_cast<int64_t>(state->total), capacity));
+__device__ void mark_dirty(const HandleState* state, DirtyRows* dirty, int64_t capacity, bool whole) {
+  const int64_t rows = whole ? capacity : max(static_cast<int64_t>(dirty->rows), static_cast<int64_t>(state->total));
+  dirty->rows = static_cast<int32_t>(min(rows, capacity));
 }
 
-__global__ void mark_dirty_rows_kernel(const HandleState* state, int32_t* dirty_rows, int64_t capacity,
-                                       bool whole) {
-  const int64_t rows = whole ? capacity : max(static_cast<int64_t>(*dirty_rows), static_cast<int64_t>(state->total));
-  *dirty_rows = static_cast<int32_t>(min(rows, capacity));
+__global__ void mark_dirty_rows_kernel(const HandleState* state, DirtyRows* dirty, int64_t capacity, bool whole) {
+  mark_dirty(state, dirty, capacity, whole);
+}
+
+// One warp per token; only the rows of unrouted tokens are written.
+__global__ void zero_unrouted_rows_kernel(const uint8_t* unrouted, int64_t num_tokens, uint4* rows,
+                                          int64_t vecs_per_row, const HandleState* state, DirtyRows* dirty,
+                                          int64_t capacity, bool whole) {
+  const int lane = threadIdx.x % kWarp;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / kWarp);
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  for (int64_t t = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp; t < num_tokens;
+       t += warps) {
+    if (unrouted[t] == 0) continue;
+    uint4* row = rows + t * vecs_per_row;
+    for (int64_t v = lane; v < vecs_per_row; v += kWarp) row[v] = zero;
+  }
+  if (dirty != nullptr && blockIdx.x == 0 && threadIdx.x == 0) mark_dirty(state, dirty, capacity, whole);
+}
+
+template <typename Index>
+__device__ uint8_t no_valid_choice(const Index* row, int64_t top_k) {
+  for (int64_t k = 0; k < top_k; ++k) {
+    if (row[k] >= 0) return 0;
+  }
+  return 1;
+}
+
+template <typename Index>
+__global__ void mark_unrouted_kernel(const Index* idx, int64_t num_tokens, int64_t top_k, uint8_t* unrouted) {
+  const int64_t token = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (token < num_tokens) unrouted[token] = no_valid_choice(idx + token * top_k, top_k);
 }
 
 __global__ void copy_used_rows_kernel(const HandleState* state, const uint4* src, uint4* dst, int64_t vecs_per_row,
@@ -125,7 +167,7 @@ __global__ void check_routing_kernel(const Index* idx, int64_t num_tokens, int64
 
 template <typename Index>
 __global__ void guard_routing_kernel(const Index* idx, Index* idx_out, int64_t num_tokens, int64_t top_k,
-                                     int64_t num_experts, HandleState* state) {
+                                     int64_t num_experts, HandleState* state, uint8_t* unrouted) {
   const int64_t token = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (token >= num_tokens) return;
   const Index* row = idx + token * top_k;
@@ -143,6 +185,7 @@ __global__ void guard_routing_kernel(const Index* idx, Index* idx_out, int64_t n
       atomicMax(&state->guard_first, packed);
     }
   }
+  unrouted[token] = no_valid_choice(out, top_k);
 }
 
 // ---- device checks ------------------------------------------------------------
@@ -248,28 +291,54 @@ int zero_fill_blocks(int64_t work_items) {
 }  // namespace
 
 void launch_finish_prepare(HandleState* state, int32_t* expert_counts, int64_t num_local_experts, int32_t* total_out,
-                           int64_t capacity, cudaStream_t stream) {
-  finish_prepare_kernel<<<1, kWarp, 0, stream>>>(state, expert_counts, num_local_experts, total_out, capacity);
+                           int64_t capacity, int32_t* host_record, cudaStream_t stream) {
+  finish_prepare_kernel<<<1, kWarp, 0, stream>>>(state, expert_counts, num_local_experts, total_out, capacity,
+                                                 host_record);
   check_launch("finish_prepare_kernel");
 }
 
-void launch_zero_unused_rows(const HandleState* state, void* rows, int64_t row_bytes, float* recv_weights,
-                             int64_t capacity, int32_t* dirty_rows, cudaStream_t stream) {
+void launch_zero_unused_rows(HandleState* state, void* rows, int64_t row_bytes, float* recv_weights,
+                             int64_t capacity, DirtyRows* dirty, cudaStream_t stream) {
   if (capacity == 0) return;
   const int64_t vecs_per_row = row_bytes / static_cast<int64_t>(sizeof(uint4));
   zero_unused_rows_kernel<<<zero_fill_blocks(capacity * vecs_per_row), 256, 0, stream>>>(
-      state, static_cast<uint4*>(rows), vecs_per_row, recv_weights, capacity, dirty_rows);
+      state, static_cast<uint4*>(rows), vecs_per_row, recv_weights, capacity, dirty);
   check_launch("zero_unused_rows_kernel");
-  if (dirty_rows != nullptr) {
-    lower_dirty_rows_kernel<<<1, 1, 0, stream>>>(state, dirty_rows, capacity);
-    check_launch("lower_dirty_rows_kernel");
-  }
 }
 
-void launch_mark_dirty_rows(const HandleState* state, int32_t* dirty_rows, int64_t capacity, bool whole,
+void launch_mark_dirty_rows(const HandleState* state, DirtyRows* dirty, int64_t capacity, bool whole,
                             cudaStream_t stream) {
-  mark_dirty_rows_kernel<<<1, 1, 0, stream>>>(state, dirty_rows, capacity, whole);
+  mark_dirty_rows_kernel<<<1, 1, 0, stream>>>(state, dirty, capacity, whole);
   check_launch("mark_dirty_rows_kernel");
+}
+
+void launch_zero_unrouted_rows(const uint8_t* unrouted, int64_t num_tokens, void* rows, int64_t row_bytes,
+                               const HandleState* state, DirtyRows* dirty, int64_t capacity, bool whole,
+                               cudaStream_t stream) {
+  if (num_tokens == 0 && dirty == nullptr) return;
+  constexpr int kThreads = 256;
+  constexpr int64_t kWarpsPerBlock = kThreads / kWarp;
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((num_tokens + kWarpsPerBlock - 1) / kWarpsPerBlock,
+                                                                1056));
+  zero_unrouted_rows_kernel<<<static_cast<int>(blocks), kThreads, 0, stream>>>(
+      unrouted, num_tokens, static_cast<uint4*>(rows), row_bytes / static_cast<int64_t>(sizeof(uint4)), state, dirty,
+      capacity, whole);
+  check_launch("zero_unrouted_rows_kernel");
+}
+
+void launch_mark_unrouted(const void* topk_idx, bool is_int64, int64_t num_tokens, int64_t top_k, uint8_t* unrouted,
+                          cudaStream_t stream) {
+  if (num_tokens == 0) return;
+  const int threads = 256;
+  const int blocks = static_cast<int>((num_tokens + threads - 1) / threads);
+  if (is_int64) {
+    mark_unrouted_kernel<int64_t><<<blocks, threads, 0, stream>>>(static_cast<const int64_t*>(topk_idx), num_tokens,
+                                                                  top_k, unrouted);
+  } else {
+    mark_unrouted_kernel<int32_t><<<blocks, threads, 0, stream>>>(static_cast<const int32_t*>(topk_idx), num_tokens,
+                                                                  top_k, unrouted);
+  }
+  check_launch("mark_unrouted_kernel");
 }
 
 void launch_copy_used_rows(const HandleState* state, const void* src, void* dst, int64_t row_bytes, int64_t capacity,
@@ -300,16 +369,18 @@ void launch_check_routing(const void* topk_idx, bool is_int64, int64_t num_token
 }
 
 void launch_guard_routing(const void* topk_idx, void* idx_out, bool is_int64, int64_t num_tokens, int64_t top_k,
-                          int64_t num_experts, HandleState* state, cudaStream_t stream) {
-  if (num_tokens == 0 || top_k == 0) return;
+                          int64_t num_experts, HandleState* state, uint8_t* unrouted, cudaStream_t stream) {
+  if (num_tokens == 0) return;
   const int threads = 256;
   const int blocks = static_cast<int>((num_tokens + threads - 1) / threads);
   if (is_int64) {
-    guard_routing_kernel<int64_t><<<blocks, threads, 0, stream>>>(
-        static_cast<const int64_t*>(topk_idx), static_cast<int64_t*>(idx_out), num_tokens, top_k, num_experts, state);
+    guard_routing_kernel<int64_t><<<blocks, threads, 0, stream>>>(static_cast<const int64_t*>(topk_idx),
+                                                                  static_cast<int64_t*>(idx_out), num_tokens, top_k,
+                                                                  num_experts, state, unrouted);
   } else {
-    guard_routing_kernel<int32_t><<<blocks, threads, 0, stream>>>(
-        static_cast<const int32_t*>(topk_idx), static_cast<int32_t*>(idx_out), num_tokens, top_k, num_experts, state);
+    guard_routing_kernel<int32_t><<<blocks, threads, 0, stream>>>(static_cast<const int32_t*>(topk_idx),
+                                                                  static_cast<int32_t*>(idx_out), num_tokens, top_k,
+                                                                  num_experts, state, unrouted);
   }
   check_launch("guard_routing_kernel");
 }

@@ -182,6 +182,14 @@ class Handle {
 
 // ---- small kernels (nccl_ep_kernels.cu) ------------------------------------
 
+// Zero-copy: the rows of a persistent window that may hold data of an earlier
+// step, and the finished-block count launch_zero_unused_rows uses to lower
+// `rows` once every block of its grid has read it (0 between launches).
+struct DirtyRows {
+  int32_t rows;
+  uint32_t blocks_done;
+};
+
 // Per-handle device words written by the kernels below.
 struct HandleState {
   int32_t recv_total_raw;  // NCCL EP's padded total of the last prepare, before any drop
@@ -197,8 +205,8 @@ struct HandleState {
   unsigned long long guard_first;
   int32_t routing_error;   // TE_EP_CHECK_ROUTING: bit 0 out of range, bit 1 duplicate
   int32_t first_bad_token; // TE_EP_CHECK_ROUTING: lowest token index with an error
-  int32_t dirty_recv;      // zero-copy: rows of the dispatch window that may hold old data
-  int32_t dirty_combine;   // zero-copy: rows of the combine window that may hold old data
+  DirtyRows dirty_recv;    // zero-copy: the dispatch window
+  DirtyRows dirty_combine; // zero-copy: the combine window
   // Device checks (TE_EP_DEVICE_CHECKS=1), per step:
   int32_t check_bits;      // this rank's routing: bit 0 out of range, bit 1 repeated
   int32_t check_first_key; // lowest t * top_k + k with an error
@@ -225,21 +233,41 @@ constexpr int32_t kBitOverflow = 4;
 // After ncclEpUpdateHandle: records overflow, writes the rows in use to
 // state->total and total_out, and clips expert_counts so that their prefix sums
 // stay within capacity (keeps a grouped GEMM in bounds on an overflowing step).
+// With `host_record` (mapped pinned memory, as the device addresses it), also
+// writes the default mode's record (kDefaultRecordBytes from state->overflow)
+// there, so the host reads it once the stream has passed this kernel.
 void launch_finish_prepare(HandleState* state, int32_t* expert_counts, int64_t num_local_experts, int32_t* total_out,
-                           int64_t capacity, cudaStream_t stream);
+                           int64_t capacity, int32_t* host_record, cudaStream_t stream);
 
 // Zeroes rows [state->total, end) of `rows` (row_bytes each, a multiple of
 // 16) and [state->total, capacity) of recv_weights when given. `end` is
-// capacity, or with `dirty_rows` (a persistent window) the rows that may
-// still hold data of an earlier step: *dirty_rows is then lowered to
-// state->total, so a window that was already clean costs nothing.
-void launch_zero_unused_rows(const HandleState* state, void* rows, int64_t row_bytes, float* recv_weights,
-                             int64_t capacity, int32_t* dirty_rows, cudaStream_t stream);
+// capacity, or with `dirty` (a persistent window) the rows that may still
+// hold data of an earlier step: the grid's last block then lowers dirty->rows
+// to state->total, so a window that was already clean costs nothing. One
+// launch.
+void launch_zero_unused_rows(HandleState* state, void* rows, int64_t row_bytes, float* recv_weights,
+                             int64_t capacity, DirtyRows* dirty, cudaStream_t stream);
 
 // Records rows of a window written outside launch_zero_unused_rows' view:
 // all of them (`whole`, e.g. the caller filled the window) or [0, total).
-void launch_mark_dirty_rows(const HandleState* state, int32_t* dirty_rows, int64_t capacity, bool whole,
+void launch_mark_dirty_rows(const HandleState* state, DirtyRows* dirty, int64_t capacity, bool whole,
                             cudaStream_t stream);
+
+// Zeroes the rows (row_bytes each, a multiple of 16) of `rows` ([num_tokens]
+// rows: a combine output or dispatch_bwd's token gradient)
+// whose token had no valid choice in the last prepare (`unrouted`, one byte
+// per token, written by prepare). NCCL EP's combine writes every routed
+// token's row and skips the others, so this replaces zero-filling the whole
+// output. With `dirty`, also does launch_mark_dirty_rows(state, dirty,
+// capacity, whole) in the same launch.
+void launch_zero_unrouted_rows(const uint8_t* unrouted, int64_t num_tokens, void* rows, int64_t row_bytes,
+                               const HandleState* state, DirtyRows* dirty, int64_t capacity, bool whole,
+                               cudaStream_t stream);
+
+// unrouted[t] = 1 if row t of topk_idx [num_tokens, top_k] has no choice >= 0,
+// else 0 (the modes without the routing guard, on the ids NCCL EP receives).
+void launch_mark_unrouted(const void* topk_idx, bool is_int64, int64_t num_tokens, int64_t top_k, uint8_t* unrouted,
+                          cudaStream_t stream);
 
 // dst[0, state->total) = src[0, state->total), rows of row_bytes: brings a
 // combine input into its window, reading the row count on the device.
@@ -254,9 +282,10 @@ void launch_check_routing(const void* topk_idx, bool is_int64, int64_t num_token
 // The default mode's routing guard: copies topk_idx to idx_out with every
 // choice that is out of range ([-1, E)) or repeats an expert earlier in its row
 // replaced by -1 (NCCL EP never sees it), and records the first such choice in
-// the sticky guard_bits / guard_first. No host sync; capturable.
+// the sticky guard_bits / guard_first. Writes `unrouted` as
+// launch_mark_unrouted does for idx_out. No host sync; capturable.
 void launch_guard_routing(const void* topk_idx, void* idx_out, bool is_int64, int64_t num_tokens, int64_t top_k,
-                          int64_t num_experts, HandleState* state, cudaStream_t stream);
+                          int64_t num_experts, HandleState* state, uint8_t* unrouted, cudaStream_t stream);
 
 // ---- device checks (TE_EP_DEVICE_CHECKS=1; nccl_ep_kernels.cu) -------------
 // One step of prepare: check_routing_on_device and publish_routing write this

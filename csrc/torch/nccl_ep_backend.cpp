@@ -283,8 +283,19 @@ class NcclEpBackend final : public Backend {
     c10::cuda::CUDAGuard guard(cfg_.device);
     const auto ints = at::TensorOptions().dtype(at::kInt).device(cfg_.device);
     state_ = at::zeros({static_cast<int64_t>(sizeof(ne::HandleState) / sizeof(int32_t))}, ints);
-    overflow_host_ = at::zeros({static_cast<int64_t>(ne::kDefaultRecordBytes / sizeof(int32_t))},
-                               at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+    // One byte per token of the last prepare: 1 if none of its choices is
+    // valid (combine writes no row for it; zero_unrouted_rows zeroes it).
+    unrouted_ = at::zeros({std::max<int64_t>(cfg_.max_tokens_per_rank, 1)},
+                          at::TensorOptions().dtype(at::kByte).device(cfg_.device));
+    // The default mode's record on the host: mapped pinned memory, which the
+    // last kernel of each prepare writes directly (no copy in the stream).
+    void* record_host = nullptr;
+    C10_CUDA_CHECK(cudaHostAlloc(&record_host, ne::kDefaultRecordBytes, cudaHostAllocMapped));
+    record_host_.reset(static_cast<int32_t*>(record_host));
+    std::memset(record_host, 0, ne::kDefaultRecordBytes);
+    void* record_host_dev = nullptr;
+    C10_CUDA_CHECK(cudaHostGetDevicePointer(&record_host_dev, record_host, 0));
+    record_host_dev_ = static_cast<int32_t*>(record_host_dev);
     C10_CUDA_CHECK(cudaEventCreateWithFlags(&overflow_ready_, cudaEventDisableTiming));
     if (device_checks_) {
       // [W * kRecordInts] routing record, then [W] overflow record; the sticky
@@ -314,7 +325,8 @@ class NcclEpBackend final : public Backend {
       (void)handle_.release();
       new at::Tensor(std::move(handle_mem_));
       new at::Tensor(std::move(state_));
-      new at::Tensor(std::move(overflow_host_));
+      new at::Tensor(std::move(unrouted_));
+      (void)record_host_.release();
       new at::Tensor(std::move(record_));
       new at::Tensor(std::move(sticky_));
       new at::Tensor(std::move(sticky_host_));
@@ -392,13 +404,17 @@ class NcclEpBackend final : public Backend {
     at::Tensor idx = topk_idx.contiguous();
     const int64_t num_tokens = idx.size(0);
     const int64_t top_k = idx.size(1);
+    const bool is_int64 = idx.scalar_type() == at::kLong;
     if (device_checks_) {
       idx = agree_on_routing(idx, stream);
-    } else if (!check_routing_) {
+      ne::launch_mark_unrouted(idx.data_ptr(), is_int64, num_tokens, top_k, unrouted(), stream);
+    } else if (check_routing_) {
+      ne::launch_mark_unrouted(idx.data_ptr(), is_int64, num_tokens, top_k, unrouted(), stream);
+    } else {
       // The routing guard: bad choices become -1 before NCCL EP reads them.
       at::Tensor safe = at::empty_like(idx);
-      ne::launch_guard_routing(idx.data_ptr(), safe.data_ptr(), idx.scalar_type() == at::kLong, num_tokens, top_k,
-                               cfg_.num_experts, state(), stream);
+      ne::launch_guard_routing(idx.data_ptr(), safe.data_ptr(), is_int64, num_tokens, top_k, cfg_.num_experts,
+                               state(), unrouted(), stream);
       idx = safe;
     }
 
@@ -407,8 +423,12 @@ class NcclEpBackend final : public Backend {
     at::Tensor total = at::empty({1}, int_options);
     handle_->update(idx.data_ptr(), to_dtype(idx.scalar_type()), num_tokens, top_k, expert_counts.data_ptr<int32_t>(),
                     cfg_.num_local_experts(), &state()->recv_total_raw, stream);
+    // Default mode, outside capture: the kernel also writes the record to the
+    // host, read once overflow_ready_ has passed.
+    const bool record_to_host = !device_checks_ && !check_routing_ && !capturing;
     ne::launch_finish_prepare(state(), expert_counts.data_ptr<int32_t>(), cfg_.num_local_experts(),
-                              total.data_ptr<int32_t>(), cfg_.capacity, stream);
+                              total.data_ptr<int32_t>(), cfg_.capacity, record_to_host ? record_host_dev_ : nullptr,
+                              stream);
     if (device_checks_) {
       agree_on_overflow(stream);
       if (!capturing) {
@@ -419,8 +439,7 @@ class NcclEpBackend final : public Backend {
       }
     } else if (check_routing_) {
       check_overflow_now(stream);
-    } else if (!capturing) {
-      copy_record_to_host(stream);
+    } else if (record_to_host) {
       C10_CUDA_CHECK(cudaEventRecord(overflow_ready_, stream));
       overflow_pending_ = true;
     }
@@ -513,12 +532,12 @@ class NcclEpBackend final : public Backend {
     c10::cuda::CUDAGuard guard(cfg_.device);
     cudaStream_t stream = current_stream();
     const at::Tensor y = expert_out.contiguous();
-    // Zeros: a token whose choices were all dropped receives nothing.
-    at::Tensor out = zeros_on(stream, {num_tokens, cfg_.hidden}, y.options());
+    at::Tensor out = at::empty({num_tokens, cfg_.hidden}, y.options());
     if (zero_copy_) {
-      fill_combine_window(y, stream);
+      fill_combine_window(y, out, stream);
       handle_->combine_forward(combine_window_.rows(), dtype_, cfg_.hidden, out.data_ptr(), num_tokens, stream);
     } else {
+      zero_unrouted(out, nullptr, false, stream);
       handle_->combine_forward(ne::Rows::plain(y.data_ptr()), dtype_, cfg_.hidden, out.data_ptr(), num_tokens,
                                stream);
     }
@@ -535,13 +554,15 @@ class NcclEpBackend final : public Backend {
     cudaStream_t stream = current_stream();
     const at::Tensor g = grad_recv_tokens.contiguous();
     const at::Tensor gw = grad_recv_weights.contiguous();
-    at::Tensor grad_tokens = zeros_on(stream, {num_tokens, cfg_.hidden}, g.options());
+    at::Tensor grad_tokens = at::empty({num_tokens, cfg_.hidden}, g.options());
     // Zeros: dropped choices (-1) own no slot and get no gradient.
     at::Tensor grad_weights = zeros_on(stream, {num_tokens, cfg_.top_k}, gw.options());
     ne::Rows rows = ne::Rows::plain(g.data_ptr());
     if (zero_copy_) {
-      fill_combine_window(g, stream);
+      fill_combine_window(g, grad_tokens, stream);
       rows = combine_window_.rows();
+    } else {
+      zero_unrouted(grad_tokens, nullptr, false, stream);
     }
     handle_->combine_backward(rows, gw.data_ptr<float>(), dtype_, cfg_.hidden, grad_tokens.data_ptr(),
                               grad_weights.data_ptr<float>(), num_tokens, cfg_.top_k, stream);
@@ -619,6 +640,7 @@ class NcclEpBackend final : public Backend {
 
  private:
   ne::HandleState* state() { return reinterpret_cast<ne::HandleState*>(state_.data_ptr<int32_t>()); }
+  uint8_t* unrouted() { return unrouted_.data_ptr<uint8_t>(); }
 
   cudaStream_t current_stream() const { return at::cuda::getCurrentCUDAStream(cfg_.device.index()).stream(); }
 
@@ -638,16 +660,24 @@ class NcclEpBackend final : public Backend {
   // from the combine window and reduces inside it. A caller's tensor is
   // copied in (only the rows in use); the window itself, handed out by
   // combine_buffer(), is used as it is. Either way the window's earlier
-  // tensors (combine_buffer(), combine_bwd's output) go stale.
-  void fill_combine_window(const at::Tensor& input, cudaStream_t stream) {
+  // tensors (combine_buffer(), combine_bwd's output) go stale. `out` is the
+  // combine's token output, whose unrouted rows are zeroed in the same launch
+  // that records the window's dirty rows.
+  void fill_combine_window(const at::Tensor& input, const at::Tensor& out, cudaStream_t stream) {
     const bool in_place = combine_window_.holds(input);
     combine_window_.invalidate();
-    if (in_place) {
-      ne::launch_mark_dirty_rows(state(), &state()->dirty_combine, cfg_.capacity, /*whole=*/true, stream);
-      return;
+    zero_unrouted(out, &state()->dirty_combine, /*whole=*/in_place, stream);
+    if (!in_place) {
+      ne::launch_copy_used_rows(state(), input.data_ptr(), combine_window_.ptr(), row_bytes(), cfg_.capacity, stream);
     }
-    ne::launch_copy_used_rows(state(), input.data_ptr(), combine_window_.ptr(), row_bytes(), cfg_.capacity, stream);
-    ne::launch_mark_dirty_rows(state(), &state()->dirty_combine, cfg_.capacity, /*whole=*/false, stream);
+  }
+
+  // The rows of a combine-like output [prepared tokens, hidden] whose token
+  // had no valid choice: NCCL EP writes every other row. (`dirty`: see
+  // launch_zero_unrouted_rows.)
+  void zero_unrouted(const at::Tensor& out, ne::DirtyRows* dirty, bool whole, cudaStream_t stream) {
+    ne::launch_zero_unrouted_rows(unrouted(), out.size(0), out.data_ptr(), row_bytes(), state(), dirty, cfg_.capacity,
+                                  whole, stream);
   }
 
   void require_handle(const char* op) const {
@@ -748,9 +778,9 @@ class NcclEpBackend final : public Backend {
     return msg.str();
   }
 
-  // The default mode's sticky record into overflow_host_ (asynchronous).
+  // The default mode's sticky record into record_host_ (asynchronous).
   void copy_record_to_host(cudaStream_t stream) {
-    C10_CUDA_CHECK(cudaMemcpyAsync(overflow_host_.data_ptr(), &state()->overflow, ne::kDefaultRecordBytes,
+    C10_CUDA_CHECK(cudaMemcpyAsync(record_host_.get(), &state()->overflow, ne::kDefaultRecordBytes,
                                    cudaMemcpyDeviceToHost, stream));
   }
 
@@ -774,10 +804,10 @@ class NcclEpBackend final : public Backend {
     raise_recorded_error();
   }
 
-  // The default mode's record, in overflow_host_: raises what it holds (bad
+  // The default mode's record, in record_host_: raises what it holds (bad
   // routing the guard dropped first, then overflow) and clears it.
   void raise_recorded_error() {
-    const int32_t* host = overflow_host_.data_ptr<int32_t>();
+    const int32_t* host = record_host_.get();
     const int32_t overflowed = host[0];
     const int32_t needed = host[1];
     const int32_t guard_bits = host[2];
@@ -842,7 +872,12 @@ class NcclEpBackend final : public Backend {
   std::unique_ptr<ne::Handle> handle_;
   at::Tensor handle_mem_;
   at::Tensor state_;
-  at::Tensor overflow_host_;
+  at::Tensor unrouted_;
+  struct FreeHost {
+    void operator()(int32_t* p) const { cudaFreeHost(p); }
+  };
+  std::unique_ptr<int32_t, FreeHost> record_host_;  // kDefaultRecordBytes of mapped pinned memory
+  int32_t* record_host_dev_ = nullptr;             // the same, as the device sees it
   cudaEvent_t overflow_ready_ = nullptr;
   bool overflow_pending_ = false;
   at::Tensor record_;

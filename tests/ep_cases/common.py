@@ -280,3 +280,22 @@ def expect_raises(fn: Callable, *substrings: str, exc=RuntimeError) -> str:
         raise AssertionError(f"{exc.__name__} message lacks {missing}: {msg!r}")
     return msg
 
+
+
+def poison_next_alloc(device, nbytes: int, copies: int = 4) -> None:
+    """Leaves the caching allocator's next block of ``nbytes`` on this stream filled with 0xFF
+    bytes (NaN in every float dtype), so that an op whose output is allocated next starts from
+    NaN instead of whatever the block held (often zeros): rows the op leaves unwritten then fail
+    the exact checks. Checks that the poison took (a probe of that size reads 0xFF) and raises
+    otherwise, so a test that relies on it cannot pass without it. CUDA only; a no-op elsewhere."""
+    device = torch.device(device)
+    if device.type != "cuda" or nbytes <= 0:
+        return
+    blocks = [torch.full((nbytes,), 255, dtype=torch.uint8, device=device) for _ in range(copies)]
+    del blocks
+    probe = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    poisoned = bool(probe.eq(255).all())
+    del probe
+    if not poisoned:
+        raise AssertionError(f"poison_next_alloc: the next {nbytes}-byte block of the caching allocator on "
+                             f"{device} was not the poisoned one; the check that relies on it would be void")

@@ -20,6 +20,7 @@ from .common import (
     expected_layout,
     fingerprint,
     make_group,
+    poison_next_alloc,
     zone_multiplier,
 )
 
@@ -61,6 +62,11 @@ def run_exact_step(ctx, group, handle, step: Step, ep_rank: int, W: int, salt: i
     # slot[3] holds the zone's expert, the same for any order within the zone
     expert_out = out.tokens * mult.to(dev, dtype) + garbage.to(dev, dtype)
     expert_out.retain_grad()
+    out.tokens.retain_grad()
+    out.weights.retain_grad()
+    # The output of combine comes from NaN-filled memory: a token row combine leaves
+    # unwritten (e.g. one whose choices were all dropped) would fail the check.
+    poison_next_alloc(dev, T * H * dtype.itemsize)
     y = te.ep_combine(handle, expert_out, T)
 
     idx64 = idx_all[ep_rank].to(torch.int64)
@@ -86,6 +92,15 @@ def run_exact_step(ctx, group, handle, step: Step, ep_rank: int, W: int, salt: i
     check_sum("dispatch backward (grad of tokens)", x.grad.cpu(), (gy.float() * S).to(dtype), where, ordered)
     exp_gw = torch.where(valid, (idx64 + 1).to(torch.float32), torch.zeros(()))
     check_equal("dispatch backward (grad of topk_weights)", w.grad.cpu(), exp_gw, where)
+
+    # dispatch's backward op once more, its token gradient allocated from NaN-filled memory:
+    # the rows it leaves unwritten must still read zero.
+    poison_next_alloc(dev, T * H * dtype.itemsize)
+    gx, gwt = torch.ops.te_ep.dispatch_bwd(out.tokens.grad, out.weights.grad, handle.handle_mem, group.group_name,
+                                           handle.id, T, step.top_k)
+    check_sum("dispatch_bwd on poisoned memory (grad of tokens)", gx.cpu(), (gy.float() * S).to(dtype), where,
+              ordered)
+    check_equal("dispatch_bwd on poisoned memory (grad of topk_weights)", gwt.cpu(), exp_gw, where)
 
 
 # A backend may add a rank's rows of one token before sending the partial sum
