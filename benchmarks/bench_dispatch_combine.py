@@ -65,7 +65,11 @@ with CUDA events (``--device cpu``: wall clock); the GPU is idle when the timed
 call starts, so a row's time includes the op's host path up to its first kernel.
 ``host ms`` is the median wall time of the call on the host alone (Python, argument
 checks, launches, no synchronisation): the share of the row that a CPU running
-ahead of the GPU hides in a training step. Before timing, each variant
+ahead of the GPU hides in a training step. ``queued`` is the median time of the
+same call issued while the GPU still spins for 2 ms (``torch.cuda._sleep``),
+timed from the end of the spin: the op's GPU time when the CPU runs ahead, free of
+the host path and of host noise (a host sync inside the op, as in the baselines'
+``.tolist()``, still exposes what follows it). Ratios use ``ms``. Before timing, each variant
 round-trips once with identity experts: combine(dispatch(x)) must equal
 top_k * x up to bf16 rounding (``check``, largest error relative to max |top_k * x|
 on any rank; FP8 rows: up to e4m3 rounding, at most 2^-4 per value); a failed check
@@ -222,19 +226,44 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_ms(op: Op, warmup: int, iters: int, device: torch.device) -> Tuple[float, float]:
-    """(device ms, host ms): medians of barrier-aligned iterations, each the slowest rank's.
+# How long the GPU spins before a queued call (the `queued ms` column): longer than
+# any op's host path here (te_ep's is 0.05-0.3 ms).
+QUEUE_AHEAD_MS = 2.0
+_sleep_cycles_per_ms: Dict[int, float] = {}
+
+
+def gpu_sleep(ms: float, device: torch.device) -> None:
+    """Keeps the current stream of `device` busy for about `ms` (torch.cuda._sleep, calibrated once)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _sleep_cycles_per_ms:
+        probe = 1 << 20
+        torch.cuda._sleep(probe)  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(probe)
+        end.record()
+        end.synchronize()
+        _sleep_cycles_per_ms[index] = probe / max(start.elapsed_time(end), 1e-3)
+    torch.cuda._sleep(int(ms * _sleep_cycles_per_ms[index]))
+
+
+def median_ms(op: Op, warmup: int, iters: int, device: torch.device) -> Tuple[float, float, float]:
+    """(device ms, host ms, queued ms): medians of barrier-aligned iterations, each the slowest rank's.
 
     device ms: CUDA events around the call (on CPU, wall time); the GPU is idle
     when the call starts, so this includes the host path up to the first kernel.
     host ms: wall time of the call itself on the host (launches, argument checks,
     Python; no synchronisation), the part of the op a CPU that runs ahead of the
     GPU hides in a training step.
+    queued ms: the same call issued while the GPU still spins for QUEUE_AHEAD_MS,
+    timed from the end of the spin: the op's GPU time when the CPU runs ahead, as
+    in a training step (a host sync inside the op still exposes what follows it).
+    On CPU it is the wall time.
     """
     for _ in range(warmup):
         op.run()
     synchronize(device)
-    times, host = [], []
+    times, host, queued = [], [], []
     for _ in range(iters):
         if op.setup is not None:
             op.setup()
@@ -249,14 +278,28 @@ def median_ms(op: Op, warmup: int, iters: int, device: torch.device) -> Tuple[fl
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
+            # Again, queued behind a spin: its start event fires when the spin ends.
+            if op.setup is not None:
+                op.setup()
+            dist.barrier()
+            synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            gpu_sleep(QUEUE_AHEAD_MS, device)
+            start.record()
+            op.fn()
+            end.record()
+            end.synchronize()
+            queued.append(start.elapsed_time(end))
         else:
             t0 = time.perf_counter()
             op.fn()
             times.append((time.perf_counter() - t0) * 1e3)
             host.append(times[-1])
-    result = torch.tensor([statistics.median(times), statistics.median(host)], dtype=torch.float64, device=device)
+            queued.append(times[-1])
+    medians = [statistics.median(times), statistics.median(host), statistics.median(queued)]
+    result = torch.tensor(medians, dtype=torch.float64, device=device)
     dist.all_reduce(result, op=dist.ReduceOp.MAX)
-    return float(result[0].item()), float(result[1].item())
+    return float(result[0].item()), float(result[1].item()), float(result[2].item())
 
 
 def peer_copy_gbps(device: torch.device, nbytes: int = 1 << 30, iters: int = 10) -> Optional[float]:
@@ -717,7 +760,8 @@ def measure(variant: Variant, routing: Routing, shape: Shape, args, device: torc
     error = max(roundtrip_error(op, routing, shape.top_k, device) for name, op in ops.items()
                 if name.startswith("combine"))
     measured = {name: median_ms(op, args.warmup, args.iters, device) for name, op in ops.items()}
-    return {name: m[0] for name, m in measured.items()}, {name: m[1] for name, m in measured.items()}, error
+    return ({name: m[0] for name, m in measured.items()}, {name: m[1] for name, m in measured.items()},
+            {name: m[2] for name, m in measured.items()}, error)
 
 
 def fit_capacity(routing: Routing, shape: Shape, world: int, args, device: torch.device) -> int:
@@ -741,6 +785,7 @@ class Result:
     capacity: object
     times: Dict[str, float]
     host: Dict[str, float]  # host time of each call (median_ms)
+    queued: Dict[str, float]  # GPU time of each call issued ahead (median_ms)
     check: float
 
 
@@ -768,8 +813,8 @@ def run_shape(shape: Shape, args, world: int, rank: int, device: torch.device, c
             if rank == 0:
                 print(f"  {label}: not run: {error}", flush=True)
             continue
-        times, host, check = measured
-        results.append(Result(label, kind, mode, spec.env_spec, cap, times, host, check))
+        times, host, queued, check = measured
+        results.append(Result(label, kind, mode, spec.env_spec, cap, times, host, queued, check))
         if rank == 0:
             ms = "  ".join(f"{op} {t:.3f}" for op, t in times.items())
             print(f"  {label}: {ms} ms; check {check:.1e}", flush=True)
@@ -814,6 +859,7 @@ def table_rows(shape: Shape, results: List[Result], logical_bytes: float, remote
                 "op": op,
                 "ms": t,
                 "host_ms": r.host[op],
+                "queued_ms": r.queued[op],
                 "logical_GBps": hbm if hbm is not None else (logical_bytes / (t * 1e-3) / 1e9 if moves_tokens
                                                              else float("nan")),
                 "nvlink_GBps": nvlink,
@@ -837,7 +883,8 @@ def fmt(value: float, width: int, digits: int) -> str:
 def print_table(rows: List[Dict], skipped: List[Tuple[str, str]]) -> None:
     width = max([len("variant")] + [len(row["variant"]) for row in rows] + [len(label) for label, _ in skipped])
     header = (
-        f"{'shape':<30} {'variant':<{width}} {'op':<12} {'ms':>8} {'host ms':>8} {'logical GB/s':>13} {'NVLink GB/s':>12} "
+        f"{'shape':<30} {'variant':<{width}} {'op':<12} {'ms':>8} {'host ms':>8} {'queued':>8} {'logical GB/s':>13} "
+        f"{'NVLink GB/s':>12} "
         f"{'% copy':>7} {'x a2a':>6} {'x dedup':>7} {'x alone':>7} {'x bf16':>6}"
     )
     print(header)
@@ -845,6 +892,7 @@ def print_table(rows: List[Dict], skipped: List[Tuple[str, str]]) -> None:
     for row in rows:
         print(
             f"{row['shape']:<30} {row['variant']:<{width}} {row['op']:<12} {row['ms']:>8.3f} {row['host_ms']:>8.3f} "
+            f"{row['queued_ms']:>8.3f} "
             f"{fmt(row['logical_GBps'], 13, 1)} {fmt(row['nvlink_GBps'], 12, 1)} {fmt(row['pct_copy'], 7, 1)} "
             f"{fmt(row['x_a2a'], 6, 2)} {fmt(row['x_dedup'], 7, 2)} {fmt(row['x_alone'], 7, 2)} "
             f"{fmt(row['x_bf16'], 6, 2)}"
