@@ -46,6 +46,13 @@ class DispatchOutput(NamedTuple):
     total: Tensor
 
 
+def _needs_graph(*inputs: Tensor) -> bool:
+    """Whether a communication op must go through its autograd Function: grad mode is on and
+    an input requires grad. Otherwise (inference, ``torch.no_grad()``, inputs without grad) the
+    op is called directly, which saves the Function's host time (tens of us per call)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+
+
 def _check_generation(handle: EpHandle, generation: int, what: str) -> None:
     if handle.generation != generation:
         raise RuntimeError(
@@ -134,7 +141,12 @@ def ep_dispatch(
         :class:`DispatchOutput`; gradients flow back to ``tokens`` and ``topk_weights``.
     """
     counts, total = handle.prepare(topk_idx) if prepared is None else prepared
-    recv, weights = _Dispatch.apply(tokens, topk_weights, handle)
+    if _needs_graph(tokens, topk_weights):
+        recv, weights = _Dispatch.apply(tokens, topk_weights, handle)
+    else:  # nothing to differentiate: the op alone, without the autograd Function's host cost
+        recv, weights = ops.dispatch(
+            tokens, topk_weights, handle.handle_mem, handle.group.group_name, handle.id, handle.config.capacity
+        )
     return DispatchOutput(recv, weights, counts, total)
 
 
@@ -271,7 +283,9 @@ def ep_combine(handle: EpHandle, expert_out: Tensor, num_tokens: int) -> Tensor:
     The sum is unweighted: multiply by ``DispatchOutput.weights`` first.
     ``num_tokens`` is the ``T`` of the matching :func:`ep_dispatch`.
     """
-    return _Combine.apply(expert_out, handle, num_tokens)
+    if _needs_graph(expert_out):
+        return _Combine.apply(expert_out, handle, num_tokens)
+    return ops.combine(expert_out, handle.handle_mem, handle.group.group_name, handle.id, num_tokens)
 
 
 # ---- permutation ops: registered autograd formulas ---------------------------------

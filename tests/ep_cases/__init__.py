@@ -58,6 +58,7 @@ from .exact import (
     CAPACITY_STEPS,
     ROUTING_STEPS,
     case_exact_steps,
+    case_no_grad_path,
     case_two_layers_raw,
 )
 from .fp8 import FP8_STEPS, case_fp8_dispatch_exact, case_fp8_dispatch_grads, case_fp8_errors
@@ -99,6 +100,7 @@ CASES = [
     Case("capacity_exact", case_exact_steps, (CAPACITY_STEPS,)),
     *[Case(f"moe_dense_{k}", case_moe_dense, (v,)) for k, v in MOE_LAYERS.items()],
     Case("two_layers_raw_ops", case_two_layers_raw),
+    Case("no_grad_path", case_no_grad_path, world_sizes=(3,)),
     # one case per bad input: a library failure on one (a crash, a hang) must not hide the others
     *[Case(f"bad_input_{n}", case_bad_inputs, ([n],), needs_agreement=True) for n in _BAD_NAMES],
     Case("bad_inputs_in_a_row", case_bad_inputs, (["weights_bf16", "expert_id_too_large", "combine_num_tokens",

@@ -269,3 +269,37 @@ def case_two_layers_raw(ctx) -> None:
         check_equal(f"layer {name} dispatch_bwd weights", g_w.cpu(), exp_gw, name)
     group.shutdown()
 
+
+
+def case_no_grad_path(ctx) -> None:
+    """ep_dispatch / ep_combine with nothing to differentiate (inputs that do not require grad,
+    or torch.no_grad()) call the ops without their autograd Functions: the same combine output
+    as through them, and no autograd graph."""
+    step = Step(top_k=2, hidden=32, drop=0.2, tokens=(7, 13, 0))
+    group = make_group(ctx, step)
+    handle = group.create_handle(top_k=step.top_k, hidden=step.hidden, dtype=step.torch_dtype())
+    dev = torch.device(ctx.device)
+    idx_all, w_all = all_inputs(step, ctx.world_size)
+    T = step.num_tokens(ctx.rank)
+    x = fingerprint(ctx.rank, T, step.hidden, step.torch_dtype()).to(dev)
+    idx, w = idx_all[ctx.rank].to(dev), w_all[ctx.rank].to(dev)
+    where = f"rank {ctx.rank} no-grad path"
+
+    def run(requires_grad: bool):
+        xx, ww = x.clone().requires_grad_(requires_grad), w.clone().requires_grad_(requires_grad)
+        out = te.ep_dispatch(handle, xx, idx, ww)
+        expert_out = out.tokens * out.weights[:, None].to(out.tokens.dtype)
+        y = te.ep_combine(handle, expert_out, T)
+        return out, y
+
+    out, y_graph = run(True)
+    assert out.tokens.grad_fn is not None and y_graph.grad_fn is not None, "grad mode with inputs that need grad"
+    y_graph = y_graph.detach().cpu()
+    out, y_plain = run(False)
+    assert out.tokens.grad_fn is None and out.weights.grad_fn is None and y_plain.grad_fn is None
+    check_sum("combine output, inputs without grad", y_plain.cpu(), y_graph, where, group.backend == "reference")
+    with torch.no_grad():
+        out, y_no_grad = run(True)
+    assert out.tokens.grad_fn is None and y_no_grad.grad_fn is None
+    check_sum("combine output under torch.no_grad()", y_no_grad.cpu(), y_graph, where, group.backend == "reference")
+    group.shutdown()
