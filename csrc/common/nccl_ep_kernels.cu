@@ -63,7 +63,7 @@ __global__ void finish_prepare_kernel(HandleState* state, int32_t* counts, int64
   }
 }
 
-__global__ void zero_unused_rows_kernel(HandleState* state, uint4* rows, int64_t vecs_per_row, float* weights,
+__global__ void zero_unused_rows_kernel(const HandleState* state, uint4* rows, int64_t vecs_per_row, float* weights,
                                         int64_t capacity, DirtyRows* dirty) {
   const int64_t first_row = min(static_cast<int64_t>(state->total), capacity);
   const int64_t end_row = dirty == nullptr ? capacity : min(static_cast<int64_t>(dirty->rows), capacity);
@@ -297,7 +297,7 @@ void launch_finish_prepare(HandleState* state, int32_t* expert_counts, int64_t n
   check_launch("finish_prepare_kernel");
 }
 
-void launch_zero_unused_rows(HandleState* state, void* rows, int64_t row_bytes, float* recv_weights,
+void launch_zero_unused_rows(const HandleState* state, void* rows, int64_t row_bytes, float* recv_weights,
                              int64_t capacity, DirtyRows* dirty, cudaStream_t stream) {
   if (capacity == 0) return;
   const int64_t vecs_per_row = row_bytes / static_cast<int64_t>(sizeof(uint4));

@@ -245,7 +245,7 @@ void launch_finish_prepare(HandleState* state, int32_t* expert_counts, int64_t n
 // hold data of an earlier step: the grid's last block then lowers dirty->rows
 // to state->total, so a window that was already clean costs nothing. One
 // launch.
-void launch_zero_unused_rows(HandleState* state, void* rows, int64_t row_bytes, float* recv_weights,
+void launch_zero_unused_rows(const HandleState* state, void* rows, int64_t row_bytes, float* recv_weights,
                              int64_t capacity, DirtyRows* dirty, cudaStream_t stream);
 
 // Records rows of a window written outside launch_zero_unused_rows' view:
