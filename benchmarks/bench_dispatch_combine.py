@@ -263,12 +263,16 @@ def median_ms(op: Op, warmup: int, iters: int, device: torch.device) -> Tuple[fl
     for _ in range(warmup):
         op.run()
     synchronize(device)
-    times, host, queued = [], [], []
-    for _ in range(iters):
+
+    def ready() -> None:  # the op's inputs in place, every rank at the same point, the GPU idle
         if op.setup is not None:
             op.setup()
         dist.barrier()
         synchronize(device)
+
+    times, host, queued = [], [], []
+    for _ in range(iters):
+        ready()
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -279,10 +283,7 @@ def median_ms(op: Op, warmup: int, iters: int, device: torch.device) -> Tuple[fl
             end.synchronize()
             times.append(start.elapsed_time(end))
             # Again, queued behind a spin: its start event fires when the spin ends.
-            if op.setup is not None:
-                op.setup()
-            dist.barrier()
-            synchronize(device)
+            ready()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             gpu_sleep(QUEUE_AHEAD_MS, device)
             start.record()

@@ -80,12 +80,20 @@ def _dispatch_backward(ctx, grad_recv: Tensor, grad_weights: Tensor, what: str) 
     )
 
 
+def _dispatch_op(handle: EpHandle, tokens: Tensor, topk_weights: Tensor) -> Tuple[Tensor, Tensor]:
+    return ops.dispatch(
+        tokens, topk_weights, handle.handle_mem, handle.group.group_name, handle.id, handle.config.capacity
+    )
+
+
+def _combine_op(handle: EpHandle, expert_out: Tensor, num_tokens: int) -> Tensor:
+    return ops.combine(expert_out, handle.handle_mem, handle.group.group_name, handle.id, num_tokens)
+
+
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens: Tensor, topk_weights: Tensor, handle: EpHandle):
-        recv, weights = ops.dispatch(
-            tokens, topk_weights, handle.handle_mem, handle.group.group_name, handle.id, handle.config.capacity
-        )
+        recv, weights = _dispatch_op(handle, tokens, topk_weights)
         ctx.handle = handle
         ctx.generation = handle.generation
         ctx.num_tokens = tokens.shape[0]
@@ -101,7 +109,7 @@ class _Dispatch(torch.autograd.Function):
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expert_out: Tensor, handle: EpHandle, num_tokens: int):
-        out = ops.combine(expert_out, handle.handle_mem, handle.group.group_name, handle.id, num_tokens)
+        out = _combine_op(handle, expert_out, num_tokens)
         ctx.handle = handle
         ctx.generation = handle.generation
         ctx.save_for_backward(handle.handle_mem)
@@ -144,9 +152,7 @@ def ep_dispatch(
     if _needs_graph(tokens, topk_weights):
         recv, weights = _Dispatch.apply(tokens, topk_weights, handle)
     else:  # nothing to differentiate: the op alone, without the autograd Function's host cost
-        recv, weights = ops.dispatch(
-            tokens, topk_weights, handle.handle_mem, handle.group.group_name, handle.id, handle.config.capacity
-        )
+        recv, weights = _dispatch_op(handle, tokens, topk_weights)
     return DispatchOutput(recv, weights, counts, total)
 
 
@@ -285,7 +291,7 @@ def ep_combine(handle: EpHandle, expert_out: Tensor, num_tokens: int) -> Tensor:
     """
     if _needs_graph(expert_out):
         return _Combine.apply(expert_out, handle, num_tokens)
-    return ops.combine(expert_out, handle.handle_mem, handle.group.group_name, handle.id, num_tokens)
+    return _combine_op(handle, expert_out, num_tokens)
 
 
 # ---- permutation ops: registered autograd formulas ---------------------------------

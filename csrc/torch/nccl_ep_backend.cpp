@@ -405,10 +405,8 @@ class NcclEpBackend final : public Backend {
     const int64_t num_tokens = idx.size(0);
     const int64_t top_k = idx.size(1);
     const bool is_int64 = idx.scalar_type() == at::kLong;
-    if (device_checks_) {
-      idx = agree_on_routing(idx, stream);
-      ne::launch_mark_unrouted(idx.data_ptr(), is_int64, num_tokens, top_k, unrouted(), stream);
-    } else if (check_routing_) {
+    if (device_checks_) idx = agree_on_routing(idx, stream);
+    if (device_checks_ || check_routing_) {
       ne::launch_mark_unrouted(idx.data_ptr(), is_int64, num_tokens, top_k, unrouted(), stream);
     } else {
       // The routing guard: bad choices become -1 before NCCL EP reads them.
