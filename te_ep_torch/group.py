@@ -78,6 +78,39 @@ def _is_power_of_two(v: int) -> bool:
     return v > 0 and v & (v - 1) == 0
 
 
+# The variables that choose an nccl_ep handle's check mode (docs/ops.md, "Check modes"),
+# read by csrc/torch/nccl_ep_backend.cpp when each handle is created.
+_CHECK_MODE_ENV = ("TE_EP_CHECK_ROUTING", "TE_EP_DEVICE_CHECKS")
+
+
+def _env_flag(name: str) -> bool:
+    """The C++ side's rule (env_flag in nccl_ep_backend.cpp): on only when set to exactly "1"."""
+    return os.environ.get(name) == "1"
+
+
+def _handle_check_mode(backend: str) -> str:
+    """The check mode a handle of ``backend`` created now runs in, as it reads
+    ``$TE_EP_CHECK_ROUTING`` and ``$TE_EP_DEVICE_CHECKS`` (:attr:`EpHandle.check_mode`, and which of
+    the two variables chose it): create_handle agrees on it across ranks.
+
+    Only ``nccl_ep`` reads the variables; a reference handle is ``"synchronous"`` whatever they
+    are, so ranks that set them differently do not disagree on a reference handle (the
+    variables change nothing there). On ``nccl_ep``, ranks that disagree would run different
+    collectives in every ``prepare`` (the device checks' all-reduces, the synchronous mode's
+    agreement) and wait for each other forever. Both variables at once run the synchronous
+    mode *and* the device checks' all-reduces: a mode of its own here."""
+    if backend != "nccl_ep":
+        return "synchronous"
+    routing, device = (_env_flag(name) for name in _CHECK_MODE_ENV)
+    if routing and device:
+        return "synchronous (TE_EP_CHECK_ROUTING=1 and TE_EP_DEVICE_CHECKS=1)"
+    if routing:
+        return "synchronous (TE_EP_CHECK_ROUTING=1)"
+    if device:
+        return "device (TE_EP_DEVICE_CHECKS=1)"
+    return "local"
+
+
 @dataclasses.dataclass(frozen=True)
 class HandleConfig:
     """What one MoE layer dispatches: fixed when its handle is created."""
@@ -225,19 +258,30 @@ class EpGroup:
         NCCL EP's floor and at most :meth:`worst_case_capacity`. Measure it on a few
         representative batches (e.g. the largest of the first steps' values); a later step
         that needs more raises ``capacity overflow`` (docs/ops.md). A smaller capacity
-        means smaller receive windows and buffers (:meth:`EpHandle.memory`).
+        means smaller receive windows and buffers (:meth:`EpHandle.memory`). Bad arguments
+        on any rank raise ``ValueError`` on every rank.
         """
-        if topk_idx.dim() != 2:
-            raise ValueError(f"capacity_for: topk_idx must be 2-D [T, K], got shape {tuple(topk_idx.shape)}")
-        if not _is_power_of_two(alignment):
-            raise ValueError(f"capacity_for: alignment must be a power of two, got {alignment!r}")
-        if headroom < 0:
-            raise ValueError(f"capacity_for: headroom must be >= 0, got {headroom!r}")
-        top_k = topk_idx.shape[1]
-        idx = topk_idx.to(self.device, torch.int64)
+
+        def validated() -> Tensor:
+            if topk_idx.dim() != 2:
+                raise ValueError(f"capacity_for: topk_idx must be 2-D [T, K], got shape {tuple(topk_idx.shape)}")
+            if not _is_power_of_two(alignment):
+                raise ValueError(f"capacity_for: alignment must be a power of two, got {alignment!r}")
+            if headroom < 0:
+                raise ValueError(f"capacity_for: headroom must be >= 0, got {headroom!r}")
+            idx = topk_idx.to(self.device, torch.int64)
+            if bool(((idx < -1) | (idx >= self.num_experts)).any()):
+                raise ValueError(f"capacity_for: topk_idx holds expert ids outside [-1, {self.num_experts})")
+            return idx
+
+        # Every rank validates, then all agree before the all-reduce: a rank with bad input
+        # raises together with the others instead of leaving them in the all-reduce.
+        idx, error = _agreement.local_error(validated)
+        _agreement.agree(self.process_group, "capacity_for", {
+            "top_k": topk_idx.shape[-1] if topk_idx.dim() else None, "alignment": alignment, "headroom": headroom,
+        }, error)
+        top_k = idx.shape[1]
         valid = idx >= 0
-        if bool(((idx < -1) | (idx >= self.num_experts)).any()):
-            raise ValueError(f"capacity_for: topk_idx holds expert ids outside [-1, {self.num_experts})")
         # A token counts once per distinct expert (the backends merge repeated ids).
         token = torch.arange(idx.shape[0], device=idx.device).unsqueeze(1).expand_as(idx)
         pairs = torch.unique(token[valid] * self.num_experts + idx[valid])
@@ -260,6 +304,11 @@ class EpGroup:
         dispatch_dtype: Optional[torch.dtype] = None,
     ) -> "EpHandle":
         """Creates the handle of one MoE layer.
+
+        Collective over the group's process group: the ranks agree on the arguments, the
+        group's backend and NCCL EP mode, and the handle's check mode (on ``nccl_ep``, what
+        ``$TE_EP_CHECK_ROUTING`` / ``$TE_EP_DEVICE_CHECKS`` select on each rank), and every rank
+        raises the same ``ValueError`` if any differs (docs/ops.md, "Configuration agreement").
 
         Args:
             top_k: experts per token.
@@ -309,11 +358,16 @@ class EpGroup:
                 raise ValueError(f"create_handle: capacity must be a positive int, got {capacity!r}")
             return capacity
 
-        # Collective: every rank validates, then all agree on the handle's configuration.
+        # Collective: every rank validates, then all agree on the handle's configuration, the
+        # group's backend and NCCL EP mode included (agreed by EpGroup too, but two EpGroups over
+        # one process group can differ, and a rank that called another group's create_handle
+        # would enter NCCL EP's handle creation alone), and the check mode that
+        # $TE_EP_CHECK_ROUTING / $TE_EP_DEVICE_CHECKS select, read per rank when the handle is made.
         fitted, error = _agreement.local_error(validated)
         _agreement.agree(self.process_group, "create_handle", {
             "top_k": top_k, "hidden": hidden, "dtype": dtype, "alignment": alignment,
             "capacity": fitted if fitted is not None else capacity, "dispatch_dtype": dispatch_dtype,
+            "backend": self.backend, "nccl_ep_mode": self.nccl_ep_mode, "check_mode": _handle_check_mode(self.backend),
         }, error)
         capacity = fitted
         cfg = HandleConfig(top_k=top_k, hidden=hidden, dtype=dtype, alignment=alignment, capacity=capacity,

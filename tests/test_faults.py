@@ -5,8 +5,11 @@ Each case must behave as declared for the reference backend (tests/faults/cases.
 that is the contract, the contract; where it falls short, the measured behaviour written
 down there and in docs/ops.md ("Faults and bad input"), and it must still fall short (a
 fixed shortfall fails as STALE until its declaration and the docs are updated). The
-controls show that the runner sees a clean step as clean, a wrong output as wrong and a hang
-as a hang; the judge's own tests show that each kind of deviation is reported.
+controls show that the runner sees a clean step as clean, a wrong output as wrong, zeros as
+zeros, a raise in a step's follow-up as a late raise and a hang as a hang, in the step or
+after it; the judge's own tests show that each kind of deviation is reported, that a hang or
+a wrong output fails whether or not anything is declared, and that the nccl_ep declarations
+(not measurable here) accept what docs/ops.md describes and nothing that hangs or is wrong.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from faults import cases as fault_cases
 from faults.expect import Expect, evaluate, judge
-from faults.runner import (INJECTED_EXIT_CODE, WATCHDOG_EXIT_CODE, CaseResult, RankRecord, RunConfig, describe,
-                           run_case)
+from faults.runner import (INJECTED_EXIT_CODE, TORCH_ABORT_EXIT_CODE, WATCHDOG_EXIT_CODE, CaseResult, RankRecord,
+                           RunConfig, describe, run_case)
 
 PG_TIMEOUT_S = 5.0
 CONFIG = RunConfig(backend="reference", device="cpu", pg_timeout_s=PG_TIMEOUT_S)
@@ -74,19 +78,64 @@ def test_control_hang_is_killed_at_the_wall_limit():
     assert hung.seconds is not None and hung.seconds >= wall
 
 
+def test_control_hang_after_the_faulted_call_is_a_hang():
+    """The runner waits for a rank's whole body, not only its faulted call: a rank that never
+    returns from a later step is killed at the wall limit and reported as a hang there."""
+    case = fault_cases.CASES_BY_NAME["control_hang_after"]
+    result = _run(case, 2)
+    assert judge(case, result) == ("contract", [])
+    assert result.hang
+    hung = result.ranks[1]
+    assert hung.status == "completed" and hung.exit_code == -9, describe(result)
+    assert hung.after == "hang in after: a step that never returns on the faulty rank", hung.after
+    assert result.ranks[0].done and not result.ranks[0].after
+    # the same result fails a declaration without the hang
+    problems = evaluate(result, Expect(raising="none", outputs=False), case.fmt(2))
+    assert any(p.startswith("hang: ranks [1]") and "after: a step that never returns" in p for p in problems), problems
+
+
+def test_control_zero_output_is_seen_as_zeros():
+    case = fault_cases.CASES_BY_NAME["control_zero_output"]
+    result = _run(case, 2)
+    assert judge(case, result) == ("contract", [])
+    assert [rec.output for rec in result.ranks] == ["zeros", "zeros"]
+    # zeros are not a correct output: undeclared, they fail
+    problems = evaluate(result, Expect(raising="none"), case.fmt(2))
+    assert len([p for p in problems if "with output 'zeros', expected 'correct'" in p]) == 2, problems
+
+
+def test_control_late_raise_is_seen_in_the_follow_up():
+    """A raise in the follow-up of the faulted step (where the local and device check modes
+    raise what a step recorded) is recorded as such, with the step's outputs."""
+    case = fault_cases.CASES_BY_NAME["control_late_raise"]
+    result = _run(case, 2)
+    assert judge(case, result) == ("contract", [])
+    late, other = result.ranks[1], result.ranks[0]
+    assert (late.status, late.failed_in, late.output) == ("raised", "next prepare", "correct"), describe(result)
+    assert (other.status, other.output) == ("completed", "correct"), describe(result)
+    # a raise in the follow-up is not a raise in the step
+    problems = evaluate(result, case.contract.but(fails_in="step"), case.fmt(2))
+    assert any("raised in next prepare, expected in step" in p for p in problems), problems
+
+
 def test_every_fault_case_declares_its_behaviour():
-    """Declared for the reference backend (measured here); for nccl_ep either declared or
-    described in words; every shortfall says what it is."""
+    """Every case declares an Expect for every variant (nccl_ep+device included), none merely
+    described; every shortfall says what it is; the command line's modes map to the variants."""
     assert len({c.name for c in fault_cases.CASES + fault_cases.CONTROLS}) == len(fault_cases.CASES_BY_NAME)
+    assert set(fault_cases.VARIANTS) == {"reference", "nccl_ep", "nccl_ep+check", "nccl_ep+device"}
     for case in fault_cases.CASES:
-        assert case.expected("reference") is not None, case.name
+        assert set(case.behaviour) == set(fault_cases.VARIANTS), f"{case.name}: declares {sorted(case.behaviour)}"
         for variant in fault_cases.VARIANTS:
             expect = case.expected(variant)
-            if expect is None:
-                assert case.documented.get(variant), f"{case.name}: nothing declared or documented for {variant}"
-            elif expect != case.contract:
+            assert isinstance(expect, Expect), f"{case.name}: nothing declared for {variant}"
+            if expect != case.contract:
                 assert expect.shortfall, f"{case.name}: {variant} differs from the contract without saying how"
         assert not case.contract.shortfall
+    nccl = dict(backend="nccl_ep", device="cuda")
+    assert RunConfig(**nccl).variant == "nccl_ep"
+    assert RunConfig(**nccl, check_routing=True).variant == "nccl_ep+check"
+    assert RunConfig(**nccl, device_checks=True).variant == "nccl_ep+device"
+    assert RunConfig(backend="reference", device="cuda").variant not in fault_cases.VARIANTS
 
 
 def test_docs_table_lists_every_case():
@@ -209,6 +258,218 @@ def test_judge_flags_a_fixed_shortfall_as_stale():
     assert judge(case, result)[0] == "shortfall"
     result.ranks[0].message = "Connection closed by peer"
     assert judge(case, result)[0] == "UNEXPECTED"
+
+
+def test_judge_fails_a_hang_or_a_wrong_output_where_nothing_is_declared():
+    """A variant without declarations (the reference backend on CUDA) is only "measured", but a
+    hang or a wrong output fails it all the same."""
+    case = fault_cases.CASES_BY_NAME["tokens_dtype_one_rank"]
+    config = RunConfig(backend="reference", device="cuda", pg_timeout_s=20.0)
+    assert case.expected(config.variant) is None
+    done = lambda r, out="correct": RankRecord(rank=r, status="completed", output=out, seconds=0.1,  # noqa: E731
+                                               done=True)
+    quiet = CaseResult(case=case.name, config=config, faulty=1, ranks=[done(0), _raised(1, _GOOD[1])])
+    assert judge(case, quiet)[0] == "measured"  # rank 0 did not raise: a difference, reported, not a failure
+    for ranks, hang, needle in [
+        ([RankRecord(rank=0, status="hang", failed_in="step"), _raised(1, _GOOD[1])], True, "hang: ranks [0]"),
+        ([done(0), _raised(1, _GOOD[1])], False, None),
+        ([done(0, "wrong: rank 0: combine output differs"), _raised(1, _GOOD[1])], False, "with output 'wrong"),
+        ([done(0, "zeros"), _raised(1, _GOOD[1])], False, "with output 'zeros'"),
+        ([done(0, "guarded"), _raised(1, _GOOD[1])], False, "with output 'guarded'"),
+    ]:
+        verdict, problems = judge(case, CaseResult(case=case.name, config=config, faulty=1, ranks=ranks, hang=hang))
+        if needle is None:
+            assert verdict == "measured", problems
+        else:
+            assert verdict == "UNEXPECTED" and any(needle in p for p in problems), (needle, verdict, problems)
+    # a hang after the faulted call counts as well
+    late_hang = done(0)
+    late_hang.done, late_hang.after = False, "hang in after: exact step"
+    verdict, problems = judge(case, CaseResult(case=case.name, config=config, faulty=1,
+                                               ranks=[late_hang, _raised(1, _GOOD[1])], hang=True))
+    assert verdict == "UNEXPECTED" and any("rank 0: after: exact step" in p for p in problems), problems
+
+
+def test_guarded_routing_follows_the_one_rule_of_every_check_mode():
+    """An id outside [-1, E), or an expert named earlier in the row, becomes -1 (choice_error_bits)."""
+    idx = torch.tensor([[8, 1], [2, 2], [-3, -1], [1, 8], [-1, -1], [3, 3]])
+    assert fault_cases._guarded(idx, 8).tolist() == [[-1, 1], [2, -1], [-1, -1], [1, -1], [-1, -1], [3, -1]]
+
+
+# ---------------------------------------------------------------------------
+# the nccl_ep declarations against what docs/ops.md ("Check modes", the faults table) and
+# csrc/torch/nccl_ep_backend.cpp say each mode does (W = 2, E = 8, handle 1 of group '0',
+# process-group timeout 20 s): accepted as declared, and a hang or a wrong output is not
+# ---------------------------------------------------------------------------
+NCCL_PG_S = 20.0
+_MODES = {"nccl_ep": {}, "nccl_ep+check": dict(check_routing=True), "nccl_ep+device": dict(device_checks=True)}
+_HANDLE = "\n(handle 1 of group '0')"
+_GUARD = ("te_ep.prepare: the routing of an earlier step on rank 1 had an expert id outside [-1, 8), first at "
+          "topk_idx[3, 0] = 8. te_ep dropped every such choice before NCCL EP saw it, so that step's outputs lack "
+          "them. TE_EP_DEVICE_CHECKS=1 makes such a step move nothing on every rank and raises it on every rank; "
+          "TE_EP_CHECK_ROUTING=1 raises in the step itself" + _HANDLE)
+_AGREED = ("te_ep.prepare: an earlier step of this handle failed on the device checks of every rank "
+           "(TE_EP_DEVICE_CHECKS=1); that step sent nothing or returned zeros, and no rank used its outputs as valid:"
+           "\n  rank {rank}: {what}" + _HANDLE)
+_OVERFLOW_18 = ("te_ep.prepare: capacity overflow on rank 0: the routing needs 18 receive rows but the handle's "
+                "capacity is 13; NCCL EP dropped the rows that did not fit. Create the handle with a larger capacity "
+                "(at most EpGroup.worst_case_capacity).")
+_TORCH_ABORT = ("[rank{r}]:[E ProcessGroupNCCL.cpp:2197] [PG ID 0 PG GUID 0(default_pg) Rank {r}] Process group "
+                "watchdog thread terminated with exception: [Rank {r}] Watchdog caught collective operation timeout: "
+                "WorkNCCL(SeqNum=9, OpType=ALLGATHER, NumelIn=1024, NumelOut=2048, Timeout(ms)=20000) ran for 20003 "
+                "milliseconds before timing out.")
+
+
+def _te_ep_watchdog(rank: int, op: str) -> str:
+    return (f"te_ep watchdog: te_ep.{op} on handle 1 of group '0' (rank {rank} of 2) has not finished on GPU {rank} "
+            f"{NCCL_PG_S:.1f} s after it was launched")
+
+
+def _r(rank, status, message="", *, failed_in="", output="", seconds=0.05, exit_code=0, recovery=()):
+    exc = ["RuntimeError", "Exception"] if status == "raised" else []
+    return RankRecord(rank=rank, status=status, message=message, failed_in=failed_in, output=output,
+                      seconds=seconds, exit_code=exit_code, handle_id=1, recovery=[list(x) for x in recovery],
+                      exc_type=exc[0] if exc else "", exc_mro=exc, done=status in ("raised", "completed"))
+
+
+_OK = [("exact step, same handle", "ok")]
+_OK_BAD_STEP = [("exact step, same handle", "ok"), ("exact step, new handle", "ok"), ("group shutdown", "ok")]
+
+# (case, variant, every rank's record as the docs and the code describe it)
+DOCUMENTED = [
+    ("expert_id_out_of_range", "nccl_ep", [
+        _r(0, "died", _te_ep_watchdog(0, "prepare"), failed_in="next prepare", output="guarded", seconds=20.2,
+           exit_code=WATCHDOG_EXIT_CODE),
+        _r(1, "raised", _GUARD, failed_in="next prepare", output="guarded")]),
+    ("expert_id_out_of_range", "nccl_ep+check", [
+        _r(0, "raised", "te_ep.prepare failed on rank 1: te_ep.prepare: topk_idx[3] = [8, 5] has an expert id "
+                        "outside [-1, 8)" + _HANDLE, failed_in="step", recovery=_OK),
+        _r(1, "raised", "te_ep.prepare: topk_idx[3] = [8, 5] has an expert id outside [-1, 8)" + _HANDLE,
+           failed_in="step", recovery=_OK)]),
+    ("expert_id_out_of_range", "nccl_ep+device", [
+        _r(r, "raised", _AGREED.format(rank=1, what="topk_idx[3, 0] = 8 (an expert id outside [-1, 8))"),
+           failed_in="next prepare", output="zeros", recovery=_OK) for r in (0, 1)]),
+    ("repeated_expert", "nccl_ep+device", [
+        _r(r, "raised", _AGREED.format(rank=1, what="topk_idx[2, 1] = {rep} (the same expert twice in a row)"),
+           failed_in="next prepare", output="zeros", recovery=_OK) for r in (0, 1)]),
+    ("capacity_overflow_one_rank", "nccl_ep", [
+        _r(0, "raised", _OVERFLOW_18 + " (detected after an earlier step; set TE_EP_CHECK_ROUTING=1 to raise in the "
+                                       "overflowing step on every rank)" + _HANDLE, failed_in="next prepare",
+           output="wrong: this rank needs 18 receive rows but the capacity is 13: no output of this step can be right"),
+        _r(1, "died", _te_ep_watchdog(1, "prepare"), failed_in="next prepare", output="wrong: rank 1: combine output "
+           "differs in 2 rows", seconds=20.3, exit_code=WATCHDOG_EXIT_CODE)]),
+    ("capacity_overflow_one_rank", "nccl_ep+device", [
+        _r(r, "raised", _AGREED.format(rank=0, what="capacity overflow: the routing needs 18 receive rows but the "
+                                                    "handle's capacity is 13 (create the handle with a larger "
+                                                    "capacity, at most EpGroup.worst_case_capacity)"),
+           failed_in="next prepare", output="zeros", recovery=_OK) for r in (0, 1)]),
+    ("tokens_dtype_one_rank", "nccl_ep+device", [
+        _r(0, "died", _te_ep_watchdog(0, "dispatch"), failed_in="step", seconds=20.1, exit_code=WATCHDOG_EXIT_CODE),
+        _r(1, "raised", "te_ep.dispatch: tokens must be torch.bfloat16 (the handle's dtype), got torch.float16"
+           + _HANDLE, failed_in="step")]),
+    ("rank_exits_mid_step", "nccl_ep+check", [
+        _r(0, "exited", exit_code=INJECTED_EXIT_CODE, seconds=0.0),
+        _r(1, "died", _TORCH_ABORT.format(r=1), failed_in="step", seconds=21.0, exit_code=TORCH_ABORT_EXIT_CODE)]),
+    ("rank_exits_mid_step", "nccl_ep+device", [
+        _r(0, "exited", exit_code=INJECTED_EXIT_CODE, seconds=0.0),
+        _r(1, "died", _te_ep_watchdog(1, "dispatch"), failed_in="step", seconds=20.1, exit_code=WATCHDOG_EXIT_CODE)]),
+    ("rank_sleeps_past_timeout", "nccl_ep+check", [
+        _r(0, "died", _TORCH_ABORT.format(r=0), failed_in="step", seconds=20.5, exit_code=TORCH_ABORT_EXIT_CODE),
+        _r(1, "died", _TORCH_ABORT.format(r=1), failed_in="step", seconds=41.6, exit_code=TORCH_ABORT_EXIT_CODE)]),
+    ("bad_step_then_recovery", "nccl_ep", [
+        _r(0, "completed", output="correct", recovery=_OK_BAD_STEP),
+        _r(1, "raised", _GUARD, failed_in="check()", output="guarded", recovery=_OK_BAD_STEP)]),
+    ("bad_step_then_recovery", "nccl_ep+device", [
+        _r(r, "raised", _AGREED.format(rank=1, what="topk_idx[3, 0] = 8 (an expert id outside [-1, 8))"),
+           failed_in="check()", output="zeros", recovery=_OK_BAD_STEP) for r in (0, 1)]),
+]
+
+
+def _documented(name: str, variant: str, ranks) -> CaseResult:
+    case = fault_cases.CASES_BY_NAME[name]
+    config = RunConfig(backend="nccl_ep", device="cuda", pg_timeout_s=NCCL_PG_S, **_MODES[variant])
+    assert config.variant == variant
+    ranks = [dataclasses.replace(rec, message=rec.message.format(**case.fmt(2))) for rec in ranks]
+    return CaseResult(case=name, config=config, faulty=case.faulty(2), ranks=ranks)
+
+
+@pytest.mark.parametrize("name,variant,ranks", [pytest.param(*d, id=f"{d[0]}-{d[1]}") for d in DOCUMENTED])
+def test_nccl_ep_declarations_accept_the_documented_behaviour(name, variant, ranks):
+    case = fault_cases.CASES_BY_NAME[name]
+    result = _documented(name, variant, ranks)
+    verdict, problems = judge(case, result)
+    assert verdict == "shortfall", (verdict, problems, describe(result))
+
+
+@pytest.mark.parametrize("name,variant,ranks", [pytest.param(*d, id=f"{d[0]}-{d[1]}") for d in DOCUMENTED])
+def test_nccl_ep_declarations_reject_a_hang_or_a_wrong_output(name, variant, ranks):
+    case = fault_cases.CASES_BY_NAME[name]
+    declared = case.expected(variant)
+    # a rank still running at the wall-clock limit: in its step, or after it
+    for r in range(2):
+        result = _documented(name, variant, ranks)
+        rec = result.ranks[r]
+        if rec.status == "exited":
+            continue
+        result.ranks[r] = dataclasses.replace(rec, status="hang", exit_code=-9, message="", failed_in=rec.failed_in)
+        result.hang = True
+        verdict, problems = judge(case, result)
+        assert verdict == "UNEXPECTED" and any(p.startswith(f"hang: ranks [{r}]") for p in problems), problems
+    # an output that is not the declared one (zeros where exact ones are declared, and the other way round)
+    for r in range(2):
+        result = _documented(name, variant, ranks)
+        rec = result.ranks[r]
+        if not rec.output or r in _rank_set(declared.maybe_wrong, result) or r in _rank_set(declared.wrong, result):
+            continue
+        result.ranks[r] = dataclasses.replace(rec, output="correct" if rec.output == "zeros" else "zeros")
+        verdict, problems = judge(case, result)
+        assert verdict == "UNEXPECTED" and any(f"rank {r}" in p and "with output" in p for p in problems), problems
+        result.ranks[r] = dataclasses.replace(rec, output="wrong: rank 0: recv_tokens differs in 1 rows")
+        verdict, problems = judge(case, result)
+        assert verdict == "UNEXPECTED" and any(f"rank {r}" in p and "with output 'wrong" in p for p in problems), \
+            problems
+
+
+def _rank_set(spec: str, result: CaseResult) -> set:
+    from faults.expect import rank_set
+
+    return rank_set(spec, result.world_size, result.faulty)
+
+
+def test_nccl_ep_local_mode_late_raise_is_judged():
+    """Check mode `local` raises a step late on the faulty rank: a raise in the step itself, a
+    silent step (nothing raised at the next prepare), or the others left running are not what
+    is declared."""
+    name, variant, ranks = DOCUMENTED[0]
+    case = fault_cases.CASES_BY_NAME[name]
+    for change, needle in [
+        (dict(failed_in="step"), "raised in step, expected in next prepare"),
+        (dict(status="completed", message="", exc_type="", exc_mro=[]), "expected to raise in next prepare"),
+        (dict(message="te_ep.prepare: something else" + _HANDLE), "message lacks"),
+    ]:
+        result = _documented(name, variant, ranks)
+        result.ranks[1] = dataclasses.replace(result.ranks[1], **change)
+        verdict, problems = judge(case, result)
+        assert verdict == "UNEXPECTED" and any(needle in p for p in problems), (needle, problems)
+    result = _documented(name, variant, ranks)
+    result.ranks[0] = _r(0, "completed", output="guarded")
+    verdict, problems = judge(case, result)
+    assert verdict == "UNEXPECTED" and any("expected te_ep's watchdog to end it" in p for p in problems), problems
+
+
+def test_runner_reads_torch_nccl_watchdog_message_of_a_rank_without_a_record(tmp_path):
+    """A rank torch's NCCL watchdog aborted leaves no record: its stderr's line becomes its message."""
+    from faults import runner
+
+    class Aborted:
+        exitcode = TORCH_ABORT_EXIT_CODE
+
+    path = tmp_path / "rank1.json"
+    (tmp_path / "rank1.stderr").write_text(_TORCH_ABORT.format(r=1) + "\nException raised from checkTimeout at "
+                                           "ProcessGroupNCCL.cpp:760 (most recent call first):\nframe #0: ...\n")
+    rec, = runner._finish_records([str(path)], [Aborted()], t_stop=30.0, seen_dead={0: 21.0})
+    assert rec.status == "died" and rec.exit_code == TORCH_ABORT_EXIT_CODE
+    assert "Process group watchdog thread terminated with exception" in rec.message, rec.message
 
 
 # ---------------------------------------------------------------------------

@@ -62,12 +62,13 @@ from .exact import (
     case_two_layers_raw,
 )
 from .fp8 import FP8_STEPS, case_fp8_dispatch_exact, case_fp8_dispatch_grads, case_fp8_errors
-from .lifecycle import case_group_api, case_shutdown_reinit, case_subgroups
+from .lifecycle import case_capacity_for, case_group_api, case_shutdown_reinit, case_subgroups
 from .lifetime import (
     case_handle_mode_and_memory,
     case_lifetime_checkpoint,
     case_lifetime_expert_out_after_combine,
     case_lifetime_microbatches,
+    case_lifetime_recv_overwritten,
 )
 
 __all__ = ["CASES", "Case"]
@@ -114,6 +115,7 @@ CASES = [
     Case("config_mismatch", case_config_mismatch),
     Case("stale_backward", case_stale_backward),
     Case("shutdown_reinit", case_shutdown_reinit),
+    Case("capacity_for", case_capacity_for),
     Case("subgroups", case_subgroups),
     Case("opcheck", case_opcheck, (0,), timeout=120),
     Case("opcheck_empty_rank", case_opcheck, (1,), timeout=120),
@@ -127,6 +129,7 @@ CASES = [
     Case("lifetime_microbatches", case_lifetime_microbatches),
     Case("lifetime_checkpoint", case_lifetime_checkpoint),
     Case("lifetime_expert_out_after_combine", case_lifetime_expert_out_after_combine),
+    Case("lifetime_recv_overwritten", case_lifetime_recv_overwritten),
     # nothing may assume <= 4 ranks
     Case("smoke_8_ranks", case_exact_steps, ([ROUTING_STEPS[0], ROUTING_STEPS[3], ALIGNMENT_STEPS[-1]],),
          world_sizes=(8,), timeout=120),

@@ -376,7 +376,9 @@ def case_config_mismatch(ctx) -> None:
     """Ranks that pass different configurations, or an invalid one on one rank only, to
     EpGroup or create_handle: every rank raises (no rank is left waiting in a collective),
     the message names the field and the values each rank passed; a good group and step
-    afterwards work."""
+    afterwards work. The fields include the backend and the NCCL EP mode (of EpGroup, and of
+    the group whose create_handle each rank calls) and the check mode that $TE_EP_CHECK_ROUTING /
+    $TE_EP_DEVICE_CHECKS select on each rank (on nccl_ep, which alone reads them)."""
     W, r, dev = ctx.world_size, ctx.rank, ctx.device
     last = r == W - 1
     dt = ERROR_STEP.torch_dtype()
@@ -400,6 +402,32 @@ def case_config_mismatch(ctx) -> None:
     expect_raises(lambda: group(timeout=30.0 if last else 20.0), "disagree on timeout_ms", f"rank {W - 1}: 30000",
                   exc=ValueError)
     expect_raises(lambda: group(timeout=-1.0), "timeout must be a positive number of seconds", exc=ValueError)
+    # The NCCL EP mode and the backend are part of it too.
+    expect_raises(lambda: group(nccl_ep_mode="zero_copy" if last else "staged"), "disagree on nccl_ep_mode",
+                  "rank 0: 'staged'", f"rank {W - 1}: 'zero_copy'", exc=ValueError)
+    if torch.device(dev).type == "cpu":
+        # nccl_ep can't serve a CPU group: the rank that asks for it fails, and every rank raises, naming it
+        expect_raises(lambda: group(backend="nccl_ep" if last else ctx.backend), "EpGroup: failed on 1 of",
+                      f"rank {W - 1}: EpGroup: backend 'nccl_ep' needs a CUDA device", exc=ValueError)
+    elif ctx.backend == "nccl_ep":
+        expect_raises(lambda: group(backend="reference" if last else "nccl_ep"), "disagree on backend",
+                      "rank 0: 'nccl_ep'", f"rank {W - 1}: 'reference'", exc=ValueError)
+
+    # create_handle agrees on its group's NCCL EP mode and backend as well: two EpGroups over one
+    # process group (each created on every rank), and the last rank calls the other one's
+    # create_handle. Without that agreement, ranks would create handles of different kinds and
+    # then wait for each other inside NCCL EP.
+    kw = dict(top_k=ERROR_STEP.top_k, hidden=ERROR_STEP.hidden, dtype=dt)
+    pair = {"nccl_ep_mode": ("staged", "zero_copy")}
+    if ctx.backend == "nccl_ep":
+        pair["backend"] = ("nccl_ep", "reference")
+    for name, (first, other) in pair.items():
+        groups = [group(**{name: v}) for v in (first, other)]
+        expect_raises(lambda: groups[1 if last else 0].create_handle(**kw), "create_handle", f"disagree on {name}",
+                      f"rank 0: {first!r}", f"rank {W - 1}: {other!r}", exc=ValueError)
+        for made in groups:
+            assert not made._handles, f"rank {r}: a handle was made although create_handle raised"
+            made.shutdown()
 
     g = make_group(ctx, ERROR_STEP)
     base = dict(top_k=ERROR_STEP.top_k, hidden=ERROR_STEP.hidden, dtype=dt, alignment=1, capacity=64)
@@ -410,6 +438,7 @@ def case_config_mismatch(ctx) -> None:
             kw[name] = other
         expect_raises(lambda: g.create_handle(**kw), f"disagree on {name}", f"rank {W - 1}: {other}",
                       exc=ValueError)
+    _check_mode_agreement(ctx, g, base)
     fp8 = torch.float8_e4m3fn if last else None
     expect_raises(lambda: g.create_handle(**dict(base, hidden=128, dispatch_dtype=fp8)),
                   "disagree on dispatch_dtype", f"rank {W - 1}: torch.float8_e4m3fn", exc=ValueError)
@@ -422,6 +451,71 @@ def case_config_mismatch(ctx) -> None:
     h = g.create_handle(top_k=ERROR_STEP.top_k, hidden=ERROR_STEP.hidden, dtype=dt)
     run_exact_step(ctx, g, h, ERROR_STEP, ctx.rank, W, tag="after config mismatches: ")
     g.shutdown()
+
+
+@contextlib.contextmanager
+def _check_mode_vars(routing, device):
+    """$TE_EP_CHECK_ROUTING and $TE_EP_DEVICE_CHECKS set to `routing` and `device` (None: unset)
+    while handles are created (read then); both restored afterwards."""
+    names = ("TE_EP_CHECK_ROUTING", "TE_EP_DEVICE_CHECKS")
+    saved = {name: os.environ.get(name) for name in names}
+
+    def put(values):
+        for name, value in values.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+    put(dict(zip(names, (routing, device))))
+    try:
+        yield
+    finally:
+        put(saved)
+
+
+# (TE_EP_CHECK_ROUTING, TE_EP_DEVICE_CHECKS) -> the check mode an nccl_ep handle runs in, as
+# create_handle agrees on it: a variable is on only when it is exactly "1" (env_flag in
+# csrc/torch/nccl_ep_backend.cpp), TE_EP_CHECK_ROUTING=1 wins, and both at once also run the
+# device checks' collectives, so that is a mode of its own.
+CHECK_MODE_SETTINGS = [
+    ((None, None), "local"),
+    (("1", None), "synchronous (TE_EP_CHECK_ROUTING=1)"),
+    ((None, "1"), "device (TE_EP_DEVICE_CHECKS=1)"),
+    (("1", "1"), "synchronous (TE_EP_CHECK_ROUTING=1 and TE_EP_DEVICE_CHECKS=1)"),
+    (("true", "0"), "local"),
+    (("0", " 1"), "local"),
+    (("yes", "1"), "device (TE_EP_DEVICE_CHECKS=1)"),
+]
+
+
+def _check_mode_agreement(ctx, g, base: dict) -> None:
+    """The check mode that $TE_EP_CHECK_ROUTING / $TE_EP_DEVICE_CHECKS select is read per rank when
+    a handle is created: on nccl_ep, ranks that disagree would run different collectives in
+    every prepare, so create_handle raises on every rank, naming each rank's mode. The reference
+    backend ignores the variables: ranks that set them differently create their handles."""
+    from te_ep_torch.group import _handle_check_mode
+
+    W, last = ctx.world_size, ctx.rank == ctx.world_size - 1
+    for (routing, device), mode in CHECK_MODE_SETTINGS:  # the parse rule, on every rank alike
+        with _check_mode_vars(routing, device):
+            assert _handle_check_mode("nccl_ep") == mode, (routing, device, _handle_check_mode("nccl_ep"), mode)
+            assert _handle_check_mode("reference") == "synchronous", (routing, device, _handle_check_mode("reference"))
+    with _check_mode_vars(None, "1" if last else None):
+        if g.backend == "nccl_ep":
+            expect_raises(lambda: g.create_handle(**base), "create_handle", "disagree on check_mode",
+                          "rank 0: 'local'", f"rank {W - 1}: 'device (TE_EP_DEVICE_CHECKS=1)'", exc=ValueError)
+        else:
+            h = g.create_handle(**base)
+            assert h.check_mode == "synchronous", h.check_mode
+            h.destroy()
+    if g.backend == "nccl_ep":
+        # The prediction is the C++ side's: each setting, alike on every rank, makes a handle of that mode.
+        for (routing, device), mode in CHECK_MODE_SETTINGS:
+            with _check_mode_vars(routing, device):
+                h = g.create_handle(**base)
+            assert h.check_mode == mode.split(" ")[0], (routing, device, h.check_mode, mode)
+            h.destroy()
 
 
 def _check_nccl_ep_size_rules(ctx) -> None:

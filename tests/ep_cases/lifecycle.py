@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 
 import te_ep_torch as te
+from te_ep_torch.group import nccl_ep_capacity_floor
 
-from .common import Step, all_inputs, expect_raises, fingerprint, make_group
+from .common import Step, all_inputs, expect_raises, expected_layout, fingerprint, make_group
 from .exact import run_exact_step
 
 
@@ -66,6 +67,52 @@ def case_group_api(ctx) -> None:
         g = te.EpGroup(None, num_experts=W, max_tokens_per_rank=4, backend="auto", device=ctx.device)
         assert g.backend == "reference", f"auto on CPU chose {g.backend!r}"
         g.shutdown()
+
+
+def case_capacity_for(ctx) -> None:
+    """EpGroup.capacity_for (collective): the busiest rank's receive rows for this step's
+    routing, zone padding included, plus the headroom, within [nccl_ep's floor, worst case];
+    a handle of the fitted capacity runs the step exactly; one row less overflows (checked on
+    the reference backend, where an overflow raises on every rank in the step); bad arguments
+    raise ValueError naming the argument, on every rank when one rank's topk_idx is bad."""
+    W, r, dev = ctx.world_size, ctx.rank, torch.device(ctx.device)
+    st = Step(top_k=2, hidden=16, tokens=(40, 25, 0), alignment=8, mode="skew_rank", drop=0.1, seed=71)
+    group = make_group(ctx, st)
+    idx_all, _ = all_inputs(st, W)
+    need = max(expected_layout(idx_all, q, st.experts_per_rank, st.alignment, 0).total for q in range(W))
+    floor = nccl_ep_capacity_floor(st.max_tokens_per_rank())
+    worst = group.worst_case_capacity(st.top_k, st.alignment)
+    assert floor < need < worst, (floor, need, worst)  # the routing exercises the formula, not its clamps
+    idx = idx_all[r].to(dev)
+    for headroom in (0.0, 0.1, 0.5):
+        got = group.capacity_for(idx, alignment=st.alignment, headroom=headroom)
+        want = min(max(floor, int(need * (1.0 + headroom)) + 1), worst)
+        assert got == want, f"rank {r}: capacity_for(headroom={headroom}) = {got}, expected {want} (need {need})"
+    assert group.capacity_for(idx, alignment=st.alignment, headroom=100.0) == worst  # never above the worst case
+    # alignment 1: no zone padding, so never more than with alignment 8
+    assert group.capacity_for(idx, alignment=1, headroom=0.0) <= group.capacity_for(idx, alignment=8, headroom=0.0)
+
+    fitted = group.capacity_for(idx, alignment=st.alignment, headroom=0.0)
+    handle = group.create_handle(top_k=st.top_k, hidden=st.hidden, dtype=st.torch_dtype(), alignment=st.alignment,
+                                 capacity=fitted)
+    run_exact_step(ctx, group, handle, st, r, W, tag="capacity_for ")
+    handle.check()
+    if group.backend == "reference":
+        short = group.create_handle(top_k=st.top_k, hidden=st.hidden, dtype=st.torch_dtype(), alignment=st.alignment,
+                                    capacity=need - 1)
+        expect_raises(lambda: short.prepare(idx), "capacity overflow")
+
+    for call, words in (
+        (lambda: group.capacity_for(idx.flatten()), "topk_idx must be 2-D"),
+        (lambda: group.capacity_for(idx, alignment=3), "alignment must be a power of two, got 3"),
+        (lambda: group.capacity_for(idx, headroom=-0.5), "headroom must be >= 0, got -0.5"),
+    ):
+        expect_raises(call, "capacity_for: ", words, exc=ValueError)
+    # bad ids on one rank only: every rank raises (the verdict rides on the collective), none hangs
+    bad = torch.full_like(idx, group.num_experts) if r == 0 else idx
+    words = "expert ids outside [-1," if r == 0 else "rank 0"
+    expect_raises(lambda: group.capacity_for(bad), "capacity_for: ", words, exc=ValueError)
+    group.shutdown()
 
 
 def case_shutdown_reinit(ctx) -> None:

@@ -187,6 +187,47 @@ def case_lifetime_expert_out_after_combine(ctx) -> None:
     group.shutdown()
 
 
+def case_lifetime_recv_overwritten(ctx) -> None:
+    """A receive buffer that autograd saved (for the expert weights' gradient) and that a
+    later dispatch on the same handle overwrote: on nccl_ep's zero-copy mode the window write
+    bumps the saved tensor's version counter, so backward raises "modified by an inplace
+    operation" on every rank (no collective is left half done: every rank raises at the same
+    saved tensor, after combine's backward and before dispatch's); the handle then serves a
+    normal step. Where dispatch returns fresh tensors (the reference backend, staged
+    handles), the later dispatch changes nothing and backward gives the gradients of a step
+    without it. The later dispatch is the raw op on the same routing (no prepare), which is
+    how a raw-op user keeps ``recv_tokens`` past the next dispatch."""
+    st = MICRO_BATCHES[0]
+    dtype = st.torch_dtype()
+    group = make_group(ctx, st)
+    handle = group.create_handle(top_k=st.top_k, hidden=st.hidden, dtype=dtype, alignment=st.alignment)
+    batch = _batch(ctx, st)
+    experts = _local_experts(ctx, st)
+
+    def step(overwrite: bool) -> list:
+        ex = experts.clone().requires_grad_()
+        y, x, w = _forward(handle, batch, ex)
+        if overwrite:
+            # other rows into the same receive buffer, on the routing of the step above
+            te.ops.dispatch((2 * batch.x + 1).contiguous(), batch.w, handle.handle_mem, group.group_name, handle.id,
+                            handle.config.capacity)
+        y.backward(batch.gy)
+        return [y.detach(), x.grad, w.grad, ex.grad]
+
+    names = ("y", "grad tokens", "grad topk_weights", "grad expert weights")
+    clean = step(overwrite=False)
+    if handle.mode == "zero_copy":
+        expect_raises(lambda: step(overwrite=True), "modified by an inplace operation")
+        after = step(overwrite=False)  # the handle serves on
+        for name, a, b in zip(names, after, clean):
+            _same(ctx, a, b, dtype, f"a step after the raising backward vs a clean step: {name}")
+    else:
+        got = step(overwrite=True)
+        for name, a, b in zip(names, got, clean):
+            _same(ctx, a, b, dtype, f"{handle.mode} handle, receive rows dispatched over before backward: {name}")
+    group.shutdown()
+
+
 def case_handle_mode_and_memory(ctx) -> None:
     """What a handle reports: its mode ("reference" on the reference backend, "zero_copy" or
     "staged" on nccl_ep), its combine buffer (a [capacity, hidden] tensor in zero-copy mode,

@@ -6,13 +6,22 @@ handle, marks the fault point, runs the faulted step through `FaultCtx.faulted` 
 faulty rank with the fault, the others with their correct inputs), and, on a rank where
 the step completes, checks its outputs exactly against a local reference built the way
 tests/ep_cases/exact.py does (fingerprinted tokens: every received row tells where it came
-from, so a wrong row, a dropped row or a row from the wrong step is seen).
+from, so a wrong row, a dropped row or a row from the wrong step is seen), or, where the
+outputs are not those of the step as given, exactly against what the check mode makes of it
+(the step without the bad choices, or zeros). The routing and overflow bodies then run a
+follow-up in the same faulted call (the handle's next prepare, or `EpHandle.check()`), where
+the check modes that record an error instead of raising it in the step raise it: that late
+raise is measured and judged like any other.
 
-`Case.contract` is what the contract asks; `Case.behaviour` maps a variant ("reference",
-"nccl_ep", "nccl_ep+check") to what the code does today where that differs (an `Expect`
-with its `shortfall`), or to None where nothing is declared (not measured; `documented`
-then says what docs/nccl_ep.md and the code say). tests/test_faults.py holds the reference
+`Case.contract` is what the contract asks; `Case.behaviour` maps every variant of `VARIANTS`
+("reference"; "nccl_ep": check mode `local`; "nccl_ep+check": TE_EP_CHECK_ROUTING=1, mode
+`synchronous`; "nccl_ep+device": TE_EP_DEVICE_CHECKS=1, mode `device`) to what the code does,
+an `Expect` with its `shortfall` where that differs from the contract. The nccl_ep ones are
+declared from the code (csrc/torch/nccl_ep_backend.cpp, comm_ops.cpp, csrc/common/watchdog.h)
+and docs/ops.md, "Check modes", not measured here. tests/test_faults.py holds the reference
 backend to its declared behaviour and checks that each declared shortfall is still one.
+Whatever is declared, a rank that hangs or returns an output that is not declared fails the
+case (expect.undeclared_failures).
 """
 
 from __future__ import annotations
@@ -46,9 +55,11 @@ H = STEP.hidden
 
 
 # Backend variants with declared behaviour: "reference" is measured here (CPU, gloo); the
-# nccl_ep ones are declared from the code and docs/nccl_ep.md (not measured here). Any other
-# run (e.g. the reference backend on NCCL) is only measured.
-VARIANTS = ("reference", "nccl_ep", "nccl_ep+check")
+# nccl_ep ones (runner.RunConfig.variant: --check-routing gives "nccl_ep+check",
+# --device-checks "nccl_ep+device") are declared from the code and docs/ops.md (not measured
+# here). Any other run (e.g. the reference backend on NCCL) is only measured, and still fails
+# on a hang or a wrong output.
+VARIANTS = ("reference", "nccl_ep", "nccl_ep+check", "nccl_ep+device")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +69,7 @@ class Case:
     body: Callable  # body(f: runner.FaultCtx)
     faulty: Callable[[int], int]  # the faulty rank, given W
     contract: Expect
-    behaviour: Dict[str, Optional[Expect]] = dataclasses.field(default_factory=dict)
-    documented: Dict[str, str] = dataclasses.field(default_factory=dict)
+    behaviour: Dict[str, Expect] = dataclasses.field(default_factory=dict)  # every variant of VARIANTS
     world_sizes: tuple = (2,)  # where tests/test_faults.py runs it on CPU
     wall: Callable[[float], float] = lambda pg: 2 * pg + 10
     control: bool = False  # checks the harness (no fault, or a fault of the harness's own)
@@ -77,7 +87,10 @@ class Case:
 
     def fmt(self, world_size: int) -> dict:
         """Values the message substrings refer to."""
-        return dict(E=E_LOCAL * world_size, H=H, H2=2 * H, H1=H + 1, cap=_overflow_capacity(world_size))
+        idx_all, _ = all_inputs(STEP, world_size)
+        return dict(E=E_LOCAL * world_size, H=H, H2=2 * H, H1=H + 1, cap=_overflow_capacity(world_size),
+                    # the expert that repeated_expert's faulty rank (the last) names twice in row 2
+                    rep=int(idx_all[world_size - 1][2, 0]))
 
 
 # ---------------------------------------------------------------------------
@@ -129,13 +142,71 @@ def _check(f, env: Env, out, y, idx_all: list) -> None:
     check_sum("combine output", y.detach().cpu(), expected, where, ordered)
 
 
+def _check_zeros(out, y) -> None:
+    """Exact check that a step moved nothing: its received tokens and weights and its combine
+    output are all exactly 0 (the device check mode's failed step; its expert_counts and total
+    are not asked: an overflowing step keeps them)."""
+    nonzero = {name: int(torch.count_nonzero(t.detach())) for name, t in
+               (("received tokens", out.tokens), ("received weights", out.weights), ("combine output", y))}
+    if any(nonzero.values()):
+        raise AssertionError(f"not all zero: nonzero elements {nonzero}")
+
+
+def _check_outputs(f, env: Env, out, y, idx_all: list, guarded_all: Optional[list] = None) -> None:
+    """Records this rank's verdict on a completed step: "correct" for `idx_all`, else "guarded"
+    (exact for `guarded_all`, the routing without the bad choices), else "zeros", else wrong."""
+    alternatives = []
+    if guarded_all is not None:
+        alternatives.append(("guarded", lambda: _check(f, env, out, y, guarded_all)))
+    alternatives.append(("zeros", lambda: _check_zeros(out, y)))
+    f.check_output(lambda: _check(f, env, out, y, idx_all), *alternatives)
+
+
 def _input_fault(f, make_bad: Callable[[Env], dict]) -> None:
     """The faulty rank passes the arguments `make_bad` returns; the others pass their own."""
     env = _env(f)
     kwargs = make_bad(env) if f.is_faulty else {}
     ok, res = f.faulted(lambda: _forward(env, **kwargs))
     if ok:
-        f.check_output(lambda: _check(f, env, *res, env.idx_all))
+        _check_outputs(f, env, *res, env.idx_all)
+
+
+# The follow-ups of the faulted step (run inside the faulted call, on every rank whose step
+# completed): where an error recorded in the step instead of raised is raised.
+NEXT_PREPARE = "next prepare"  # the handle's next prepare, with the seed's routing (valid, fits)
+CHECK = "check()"  # EpHandle.check(): no collective, waits for the GPU
+
+
+def _faulted_step(f, env: Env, step_idx_all: list, expected_all: list, guarded_all: Optional[list],
+                  follow_up: str) -> bool:
+    """The faulted call of the routing and overflow cases: a step with this rank's routing of
+    `step_idx_all`; where it completes, its outputs checked (exact for `expected_all`, or for
+    `guarded_all`, or zeros) before the follow-up; then the follow-up. Returns whether the call
+    completed."""
+    idx = step_idx_all[f.rank].to(env.idx.device)
+
+    def call():
+        out, y = _forward(env, idx=idx)
+        f.sync()
+        _check_outputs(f, env, out, y, expected_all, guarded_all)
+        f.stage(follow_up)
+        if follow_up == NEXT_PREPARE:
+            env.handle.prepare(env.idx)
+        else:
+            env.handle.check()
+
+    ok, _ = f.faulted(call)
+    return ok
+
+
+def _exact_after_raise(f, env: Env, ok: bool) -> None:
+    """A rank whose faulted call raised runs an exact step on the same handle: every rank raised
+    (the contract; the synchronous and device check modes), so the handle must work again.
+    Not in the check mode `local`, where only the faulty rank raises and the others are left
+    inside NCCL EP by then (docs/ops.md, "Check modes")."""
+    if not ok and env.handle.check_mode != "local":
+        f.recover("exact step, same handle",
+                  lambda: run_exact_step(f, env.group, env.handle, STEP, f.rank, f.world_size, tag="after the fault: "))
 
 
 # ---------------------------------------------------------------------------
@@ -147,16 +218,47 @@ def _with(idx: torch.Tensor, t: int, k: int, value) -> torch.Tensor:
     return idx
 
 
+def _guarded(idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """`idx` with every bad choice as -1, by the one rule of every check mode
+    (choice_error_bits in csrc/common/nccl_ep_kernels.cu): an id outside [-1, E), or an expert
+    already named earlier in the token's row."""
+    out = idx.clone()
+    for t, row in enumerate(idx.tolist()):
+        for k, e in enumerate(row):
+            if e < -1 or e >= num_experts or (e >= 0 and e in row[:k]):
+                out[t, k] = -1
+    return out
+
+
+def _routing_fault(f, make_bad: Callable[[torch.Tensor, int], torch.Tensor], follow_up: str = NEXT_PREPARE):
+    """The faulty rank's routing is `make_bad(its routing, E)`; every rank runs the step, checks
+    a completed step's outputs (exact as if there were no fault, or without the bad choices, or
+    zeros) and runs the follow-up; a rank that raised then runs an exact step."""
+    env = _env(f)
+    E = env.group.num_experts
+    bad_all = list(env.idx_all)
+    bad_all[f.faulty] = make_bad(env.idx_all[f.faulty], E)
+    guarded_all = [_guarded(i, E) for i in bad_all]
+    ok = _faulted_step(f, env, bad_all, env.idx_all, guarded_all, follow_up)
+    _exact_after_raise(f, env, ok)
+    return env
+
+
 def body_expert_id_out_of_range(f) -> None:
-    _input_fault(f, lambda env: dict(idx=_with(env.idx, 3, 0, env.group.num_experts)))
+    _routing_fault(f, lambda idx, E: _with(idx, 3, 0, E))
 
 
 def body_expert_id_negative(f) -> None:
-    _input_fault(f, lambda env: dict(idx=_with(env.idx, 1, 1, -3)))
+    _routing_fault(f, lambda idx, E: _with(idx, 1, 1, -3))
+
+
+def _repeat_in_row_2(idx: torch.Tensor, E: int) -> torch.Tensor:
+    assert int(idx[2, 0]) >= 0, "the case needs token 2's first choice to be an expert"
+    return _with(idx, 2, 1, "repeat")
 
 
 def body_repeated_expert(f) -> None:
-    _input_fault(f, lambda env: dict(idx=_with(env.idx, 2, 1, "repeat")))
+    _routing_fault(f, _repeat_in_row_2)
 
 
 def body_tokens_dtype(f) -> None:
@@ -185,13 +287,14 @@ def _overflow_capacity(world_size: int) -> int:
 
 
 def body_capacity_overflow(f) -> None:
+    """The overflowing step, then the handle's next prepare with the seed's routing (which
+    fits the capacity: `_env`'s routing)."""
     idx_all, cap = _overflow_routing(f.world_size)
     needs = [expected_layout(idx_all, r, E_LOCAL, 1, 0).total for r in range(f.world_size)]
     assert needs[0] > cap and all(n <= cap for n in needs[1:]), f"rows needed per rank {needs}, capacity {cap}"
-    env = _env(f, capacity=cap, idx_all=idx_all)
-    ok, res = f.faulted(lambda: _forward(env))
-    if ok:
-        f.check_output(lambda: _check(f, env, *res, idx_all))
+    env = _env(f, capacity=cap)
+    ok = _faulted_step(f, env, idx_all, idx_all, None, NEXT_PREPARE)
+    _exact_after_raise(f, env, ok)
 
 
 def body_handle_config_mismatch(f) -> None:
@@ -214,7 +317,7 @@ def body_rank_exits_mid_step(f) -> None:
         f.exit_now()
     ok, res = f.faulted(lambda: _forward(env, prepared=prepared))
     if ok:
-        f.check_output(lambda: _check(f, env, *res, env.idx_all))
+        _check_outputs(f, env, *res, env.idx_all)
 
 
 SLEEP_PAST_TIMEOUT_S = 1.5  # how far past the process group's timeout the faulty rank sleeps
@@ -228,24 +331,30 @@ def body_rank_sleeps_past_timeout(f) -> None:
         time.sleep(f.pg_timeout_s + SLEEP_PAST_TIMEOUT_S)
     ok, res = f.faulted(lambda: _forward(env, prepared=prepared))
     if ok:
-        f.check_output(lambda: _check(f, env, *res, env.idx_all))
+        _check_outputs(f, env, *res, env.idx_all)
 
 
 def body_bad_step_then_recovery(f) -> None:
-    """Bad routing on the faulty rank; an exact step on the same handle; bad tokens on the
-    faulty rank; another exact step; an exact step on a new handle; shutdown."""
+    """Bad routing on the faulty rank, followed by EpHandle.check() in the faulted call; an exact
+    step on the same handle; in the check mode `synchronous` only (where argument errors are
+    agreed: elsewhere the other ranks are then ended by te_ep's watchdog, as in
+    tokens_dtype_one_rank), bad tokens on the faulty rank and another exact step; an exact step
+    on a new handle; shutdown."""
     W, faulty = f.world_size, f.faulty
     env = _env(f)
-    bad_idx = _with(env.idx, 3, 0, env.group.num_experts) if f.is_faulty else env.idx
-    f.faulted(lambda: _forward(env, idx=bad_idx))
+    E = env.group.num_experts
+    bad_all = list(env.idx_all)
+    bad_all[faulty] = _with(env.idx_all[faulty], 3, 0, E)
+    _faulted_step(f, env, bad_all, env.idx_all, [_guarded(i, E) for i in bad_all], CHECK)
     exact = lambda h, tag: run_exact_step(f, env.group, h, STEP, f.rank, W, tag=tag)  # noqa: E731
     f.recover("exact step, same handle", lambda: exact(env.handle, "after bad routing: "))
-    f.recover(
-        f"tokens of the wrong dtype on rank {faulty}: every rank raises",
-        lambda: check_collective_error(f, lambda: _forward(env, x=env.x.half() if f.is_faulty else None), {faulty},
-                                       ["tokens", "torch.float16"]),
-    )
-    f.recover("exact step, same handle, again", lambda: exact(env.handle, "after bad tokens: "))
+    if env.handle.check_mode == "synchronous":
+        f.recover(
+            f"tokens of the wrong dtype on rank {faulty}: every rank raises",
+            lambda: check_collective_error(f, lambda: _forward(env, x=env.x.half() if f.is_faulty else None),
+                                           {faulty}, ["tokens", "torch.float16"]),
+        )
+        f.recover("exact step, same handle, again", lambda: exact(env.handle, "after bad tokens: "))
 
     def new_handle():
         env.handle.destroy()
@@ -257,7 +366,8 @@ def body_bad_step_then_recovery(f) -> None:
 
 
 # ---------------------------------------------------------------------------
-# controls: the harness sees a clean step as clean, a wrong output as wrong, a hang as a hang
+# controls: the harness sees a clean step as clean, a wrong output as wrong, zeros as zeros,
+# a hang as a hang (in the step or after it), and a raise in a follow-up as a late raise
 # ---------------------------------------------------------------------------
 def body_no_fault(f) -> None:
     _input_fault(f, lambda env: {})
@@ -268,7 +378,7 @@ def body_control_overflow_shape(f) -> None:
     env = _env(f, capacity=_overflow_capacity(f.world_size))
     ok, res = f.faulted(lambda: _forward(env))
     if ok:
-        f.check_output(lambda: _check(f, env, *res, env.idx_all))
+        _check_outputs(f, env, *res, env.idx_all)
 
 
 def body_control_wrong_output(f) -> None:
@@ -281,12 +391,46 @@ def body_control_wrong_output(f) -> None:
         if f.is_faulty:
             y = y.clone()
             y[1, 3] += 1
-        f.check_output(lambda: _check(f, env, out, y, env.idx_all))
+        _check_outputs(f, env, out, y, env.idx_all)
+
+
+def body_control_zero_output(f) -> None:
+    """A correct step whose outputs every rank zeroes before the check (what the device check
+    mode makes of a failed step): seen as zeros, not as correct or as merely wrong."""
+    env = _env(f)
+    ok, res = f.faulted(lambda: _forward(env))
+    if ok:
+        out, y = res
+        out = out._replace(tokens=torch.zeros_like(out.tokens), weights=torch.zeros_like(out.weights))
+        _check_outputs(f, env, out, torch.zeros_like(y), env.idx_all)
+
+
+def body_control_late_raise(f) -> None:
+    """A correct step on every rank, then a follow-up in which the faulty rank raises (no
+    collective in it): recorded as raised in the follow-up, with the step's outputs."""
+    env = _env(f)
+
+    def call():
+        out, y = _forward(env)
+        f.sync()
+        _check_outputs(f, env, out, y, env.idx_all)
+        f.stage(NEXT_PREPARE)
+        if f.is_faulty:
+            raise RuntimeError(f"injected late error on rank {f.rank} (handle {env.handle.id})")
+
+    f.faulted(call)
 
 
 def body_control_hang(f) -> None:
     """The faulty rank never returns from its step (no collective involved)."""
     f.faulted(lambda: time.sleep(3600) if f.is_faulty else None)
+
+
+def body_control_hang_after(f) -> None:
+    """Every rank completes its faulted call; then the faulty rank never returns from a
+    recovery step (no collective involved): a hang all the same."""
+    f.faulted(lambda: None)
+    f.recover("a step that never returns on the faulty rank", lambda: time.sleep(3600) if f.is_faulty else None)
 
 
 # ---------------------------------------------------------------------------
@@ -301,27 +445,38 @@ def _arg_error(op: str, *faulty_says) -> Expect:
                   others_say=(f"te_ep.{op}", "rank {faulty}"), names_handle=True)
 
 
+NOT_MEASURED = "declared from the code and docs/ops.md ('Check modes'), not yet measured on GPUs: "
+NCCL_EP_WATCHDOG_SHORTFALL = (NOT_MEASURED + "no Python exception on the waiting ranks; te_ep's watchdog ends them "
+                              "(exit code 70) with a message naming the op, the handle, the group and the rank, but "
+                              "not the rank at fault")
+NCCL_EP_DEVICE_ARG_SHORTFALL = (NOT_MEASURED + "the device check mode agrees on routing and capacity only; an "
+                                "argument error raises on the faulty rank alone, and the others, inside NCCL EP's "
+                                "dispatch, are ended by te_ep's watchdog (exit code 70) one process-group timeout "
+                                "after the launch, with a message that does not name the rank at fault")
+NCCL_EP_LOCAL_SHORTFALL = (NOT_MEASURED + "check mode `local`: nothing is raised in the step, which completes on "
+                           "every rank; only the faulty rank raises, a step late (at its next prepare, or "
+                           "EpHandle.check()); where that is its next prepare, the others are inside NCCL EP's "
+                           "prepare by then, waiting for it, until te_ep's watchdog ends them (exit code 70)")
+NCCL_EP_DEVICE_SHORTFALL = (NOT_MEASURED + "check mode `device`: nothing is raised in the step, which moves nothing "
+                            "on every rank (its outputs are exactly zero); every rank raises the same agreed message, "
+                            "naming the faulty rank and the value, a step late (at the handle's next prepare, or "
+                            "EpHandle.check()), and the handle then runs exact steps")
+TORCH_ABORT_SHORTFALL = (NOT_MEASURED + "TE_EP_CHECK_ROUTING=1 agrees on errors through the NCCL process group at "
+                         "the start of every op; the survivors wait in that all-gather for the lost rank, and torch's "
+                         "NCCL watchdog (by torch's defaults) ends their processes (SIGABRT) when the collective "
+                         "times out or NCCL reports the lost peer: no Python exception, no te_ep message")
+# torch's NCCL watchdog may wait for its debug dump (TORCH_NCCL_DUMP_ON_TIMEOUT) before it aborts
+TORCH_ABORT_SLACK_S = 20.0
 
-NCCL_EP_ROUTING_DEFAULT = ("the routing guard drops the bad choice on the faulty rank before NCCL EP sees it "
-                           "(no host sync); the step completes on every rank without it, and the faulty rank's next "
-                           "prepare (or EpHandle.check()) raises `te_ep.prepare: the routing of an earlier step on rank "
-                           "r had ...`; the others then wait in that prepare until te_ep's watchdog ends them")
-NCCL_EP_ARG_DEFAULT = ("the faulty rank raises its own message at once; the others go on into NCCL EP's "
-                       "dispatch, whose kernels wait for the faulty rank without a limit, until te_ep's watchdog "
-                       "ends them (exit code 70) one process-group timeout after the launch")
-NCCL_EP_WATCHDOG_SHORTFALL = ("declared from the code, not yet measured on GPUs: no Python exception on the waiting "
-                              "ranks; te_ep's watchdog ends them (exit code 70) with a message naming the op, the "
-                              "handle, the group and the rank, but not the rank at fault")
+
+def _watchdog_ends(expect: Expect, op: str, shortfall: str = NCCL_EP_WATCHDOG_SHORTFALL, **changes) -> Expect:
+    """Ranks whose kernels wait for a lost peer are ended by te_ep's watchdog
+    (csrc/common/watchdog.h) one process-group timeout after `op` was launched."""
+    return expect.but(watchdog_op=op, shortfall=shortfall, **changes)
 
 
-def _watchdog_ends(expect: Expect, op: str, **changes) -> Expect:
-    """nccl_ep's default mode: ranks whose kernels wait for a lost peer are ended by te_ep's
-    watchdog (csrc/common/watchdog.h) one process-group timeout after `op` was launched."""
-    return expect.but(watchdog_op=op, shortfall=NCCL_EP_WATCHDOG_SHORTFALL, **changes)
-
-
-NCCL_EP_CHECK_WORDING = ("declared from the code, not measured here (needs GPUs): every rank raises as the contract "
-                         "asks, with the checking mode's own wording (`te_ep.<op> failed on rank r: ...`)")
+NCCL_EP_CHECK_WORDING = (NOT_MEASURED + "every rank raises as the contract asks, with the checking mode's own "
+                         "wording (`te_ep.<op> failed on rank r: ...`)")
 
 
 def _check_routing(expect: Expect, *faulty_says, others: str) -> Expect:
@@ -332,30 +487,61 @@ def _check_routing(expect: Expect, *faulty_says, others: str) -> Expect:
                       shortfall=NCCL_EP_CHECK_WORDING)
 
 
+# The messages of a bad routing value recorded in the step (csrc/torch/nccl_ep_backend.cpp):
+# the routing guard's (raise_recorded_error, on the faulty rank) and the device checks'
+# (agreed_error_message, the same on every rank).
+GUARD_SAYS = "te_ep.prepare: the routing of an earlier step on rank {faulty} had "
+DEVICE_SAYS = ("te_ep.prepare: an earlier step of this handle failed on the device checks of every rank "
+               "(TE_EP_DEVICE_CHECKS=1)")
+
+
+def _local(contract: Expect, follow_up: str, *faulty_says, **changes) -> Expect:
+    """Check mode `local` for a value recorded in the step: the faulty rank raises `faulty_says`
+    in the follow-up; after a next prepare, the others are ended by te_ep's watchdog there."""
+    others = dict(watchdog="others", watchdog_op="prepare") if follow_up == NEXT_PREPARE else {}
+    return contract.but(raising="faulty", fails_in=follow_up, faulty_says=faulty_says, others_say=(),
+                        recovers=contract.recovers and follow_up != NEXT_PREPARE,
+                        shortfall=NCCL_EP_LOCAL_SHORTFALL, **others, **changes)
+
+
+def _device(contract: Expect, follow_up: str, *says) -> Expect:
+    """Check mode `device`: zeros on every rank, then the agreed error on every rank in the follow-up."""
+    return contract.but(raising="all", fails_in=follow_up, faulty_says=(DEVICE_SAYS,) + says,
+                        others_say=(DEVICE_SAYS,) + says, output="zeros", recovers=True,
+                        shortfall=NCCL_EP_DEVICE_SHORTFALL)
+
+
 _ROUTING_FAULTS = [
+    # name, fault, body, faulty rank, the contract's words, check mode local's, check mode device's
     ("expert_id_out_of_range", "topk_idx holds an expert id >= num_experts on one rank",
-     body_expert_id_out_of_range, lambda W: W - 1, ("topk_idx[3, 0] = {E}", "out of range", "[0, {E})")),
+     body_expert_id_out_of_range, lambda W: W - 1, ("topk_idx[3, 0] = {E}", "out of range", "[0, {E})"),
+     (GUARD_SAYS + "an expert id outside [-1, {E})", "first at topk_idx[3, 0] = {E}."),
+     ("rank {faulty}: topk_idx[3, 0] = {E} (an expert id outside [-1, {E}))",)),
     ("expert_id_negative", "topk_idx holds a negative id other than -1 on one rank",
-     body_expert_id_negative, lambda W: 0, ("topk_idx[1, 1] = -3", "out of range")),
+     body_expert_id_negative, lambda W: 0, ("topk_idx[1, 1] = -3", "out of range"),
+     (GUARD_SAYS + "an expert id outside [-1, {E})", "first at topk_idx[1, 1] = -3."),
+     ("rank {faulty}: topk_idx[1, 1] = -3 (an expert id outside [-1, {E}))",)),
     ("repeated_expert", "a token names the same expert twice on one rank",
-     body_repeated_expert, lambda W: W - 1, ("topk_idx row 2", "twice")),
+     body_repeated_expert, lambda W: W - 1, ("topk_idx row 2", "twice"),
+     (GUARD_SAYS + "an expert named twice in a token's row", "first at topk_idx[2, 1] = {rep}."),
+     ("rank {faulty}: topk_idx[2, 1] = {rep} (the same expert twice in a row)",)),
 ]
 
 
-def _routing_case(name, fault, body, faulty, says, world_sizes=(2,)) -> Case:
-    contract = _arg_error("prepare", *says)
+def _routing_case(name, fault, body, faulty, says, guard_says, device_says, world_sizes=(2,)) -> Case:
+    contract = _arg_error("prepare", *says).but(recovers=True)
     check_says = ("te_ep.prepare", "topk_idx[", "names the same expert twice" if name == "repeated_expert"
                   else "outside [-1, {E})")
     return Case(
-        name, fault, body, faulty, contract,
+        name, fault + "; then the handle's next prepare", body, faulty, contract,
         behaviour={
             "reference": contract,
-            "nccl_ep": None,
+            # the guard drops the bad choice: the step is exact without it on every rank
+            "nccl_ep": _local(contract, NEXT_PREPARE, *guard_says, output="guarded"),
             "nccl_ep+check": _check_routing(contract.but(others_say=()), *check_says,
                                             others="te_ep.prepare failed on rank {faulty}"),
+            "nccl_ep+device": _device(contract, NEXT_PREPARE, *device_says),
         },
-        documented={"nccl_ep": NCCL_EP_ROUTING_DEFAULT,
-                    "nccl_ep+check": "every rank raises in prepare (a device sync, then agreement)"},
         world_sizes=world_sizes,
     )
 
@@ -366,11 +552,14 @@ def _arg_case(name, fault, body, faulty, op, says) -> Case:
         name, fault, body, faulty, contract,
         behaviour={
             "reference": contract,
+            # the faulty rank raises its own message at once; the others go on into NCCL EP's
+            # dispatch, whose kernels wait for it without a limit, until te_ep's watchdog ends
+            # them one process-group timeout after the launch
             "nccl_ep": _watchdog_ends(contract, op, raising="faulty", watchdog="others"),
             "nccl_ep+check": _check_routing(contract, others=f"te_ep.{op} failed on rank {{faulty}}"),
+            "nccl_ep+device": _watchdog_ends(contract, op, NCCL_EP_DEVICE_ARG_SHORTFALL, raising="faulty",
+                                             watchdog="others"),
         },
-        documented={"nccl_ep": NCCL_EP_ARG_DEFAULT,
-                    "nccl_ep+check": f"every rank raises in {op} (agreement through the process group)"},
     )
 
 
@@ -387,26 +576,45 @@ _EXIT_CONTRACT = Expect(raising="others", exiting="faulty", others_say=("te_ep.d
 _SLEEP_CONTRACT = Expect(raising="all", faulty_says=("te_ep.dispatch",), others_say=("te_ep.dispatch",),
                          names_handle=True, max_s=lambda pg: 2 * pg + SLEEP_PAST_TIMEOUT_S + 3)
 
+_CONFIG_CONTRACT = Expect(raising="all", exc=("ValueError",),
+                          faulty_says=("create_handle", "disagree on hidden", "rank 0: {H}", "rank {faulty}: {H2}"),
+                          others_say=("create_handle", "disagree on hidden", "rank 0: {H}", "rank {faulty}: {H2}"),
+                          recovers=True)
+_OVERFLOW_CONTRACT = _arg_error("prepare", "capacity overflow", "capacity is {cap}").but(recovers=True)
+_BAD_STEP_CONTRACT = _arg_error("prepare", "topk_idx[3, 0] = {E}", "out of range").but(recovers=True)
+# A lost rank under TE_EP_CHECK_ROUTING=1 (the exit and sleep cases).
+_EXIT_ABORTED = _EXIT_CONTRACT.but(raising="none", aborted="others", shortfall=TORCH_ABORT_SHORTFALL,
+                                   watchdog_max_s=lambda pg: within_timeout(pg) + TORCH_ABORT_SLACK_S)
+# The waiting ranks time out one PG timeout after the fault; the late rank, arriving after
+# its sleep to peers that are gone, one timeout after it arrives.
+_SLEEP_ABORTED = _SLEEP_CONTRACT.but(
+    raising="none", aborted="all", shortfall=TORCH_ABORT_SHORTFALL,
+    watchdog_max_s=lambda pg: 2 * pg + SLEEP_PAST_TIMEOUT_S + 3 + TORCH_ABORT_SLACK_S)
+
 CASES = [
     *[_routing_case(*spec, world_sizes=(2, 3) if spec[0] == "expert_id_out_of_range" else (2,))
       for spec in _ROUTING_FAULTS],
     Case(
         "capacity_overflow_one_rank",
-        "one rank's receive rows exceed an explicit capacity (the last rank sends everything to rank 0)",
+        "one rank's receive rows exceed an explicit capacity (the last rank sends everything to rank 0); then the "
+        "handle's next prepare, with a routing that fits",
         body_capacity_overflow, lambda W: 0,
-        _arg_error("prepare", "capacity overflow", "capacity is {cap}"),
+        _OVERFLOW_CONTRACT,
         behaviour={
-            "reference": _arg_error("prepare", "capacity overflow", "capacity is {cap}"),
-            "nccl_ep": None,
-            "nccl_ep+check": _check_routing(_arg_error("prepare"), "te_ep.prepare: capacity overflow on rank 0",
+            "reference": _OVERFLOW_CONTRACT,
+            # NCCL EP's DROP policy below the worst-case capacity: the rows that do not fit on
+            # rank 0 are dropped, so rank 0's receive buffer is wrong. Which rows NCCL EP drops,
+            # and so which other ranks' tokens lose rows in their combine outputs, is NCCL EP's
+            # choice, not predicted here: the other ranks' outputs may be wrong or right.
+            "nccl_ep": _local(_OVERFLOW_CONTRACT, NEXT_PREPARE, "te_ep.prepare: capacity overflow on rank 0",
+                              "capacity is {cap}", "detected after an earlier step", wrong="faulty",
+                              maybe_wrong="others"),
+            "nccl_ep+check": _check_routing(_arg_error("prepare").but(recovers=True),
+                                            "te_ep.prepare: capacity overflow on rank 0",
                                             others="te_ep.prepare failed on rank 0"),
+            "nccl_ep+device": _device(_OVERFLOW_CONTRACT, NEXT_PREPARE, "rank 0: capacity overflow: the routing needs",
+                                      "the handle's capacity is {cap}"),
         },
-        documented={"nccl_ep": "no error in the step (NCCL EP's DROP policy below the worst-case capacity): the rows "
-                               "that do not fit on rank 0 are dropped, so rank 0's receive buffer and the combine "
-                               "outputs of the tokens whose rows were dropped are wrong; the next prepare of the "
-                               "handle raises on rank 0 only, and the others then wait in NCCL EP until te_ep's "
-                               "watchdog ends them (exit code 70) one process-group timeout later",
-                    "nccl_ep+check": "every rank raises in the overflowing prepare"},
         world_sizes=(2, 3),
     ),
     _arg_case("tokens_dtype_one_rank", "tokens of the wrong dtype (float16 for a bfloat16 handle) on one rank",
@@ -416,13 +624,10 @@ CASES = [
     Case(
         "handle_config_mismatch",
         "create_handle with a different hidden on one rank",
-        body_handle_config_mismatch, lambda W: W - 1,
-        Expect(raising="all", exc=("ValueError",),
-               faulty_says=("create_handle", "disagree on hidden", "rank 0: {H}", "rank {faulty}: {H2}"),
-               others_say=("create_handle", "disagree on hidden", "rank 0: {H}", "rank {faulty}: {H2}"),
-               recovers=True),
-        documented={"nccl_ep": "configuration agreement in Python, before any NCCL EP call: as on reference",
-                    "nccl_ep+check": "as on reference"},
+        body_handle_config_mismatch, lambda W: W - 1, _CONFIG_CONTRACT,
+        # the configuration agreement is a Python collective before any NCCL EP call: the
+        # contract in every variant
+        behaviour={v: _CONFIG_CONTRACT for v in VARIANTS},
     ),
     Case(
         "rank_exits_mid_step",
@@ -431,16 +636,16 @@ CASES = [
         behaviour={
             "reference": _EXIT_CONTRACT.but(others_say=("te_ep.dispatch", "collective with the other ranks failed",
                                                         GLOO_LOST_PEER), shortfall=GLOO_SHORTFALL),
+            # no torch collective in the step: the survivors' dispatch kernels wait for the
+            # lost rank without a limit until te_ep's watchdog ends them one process-group
+            # timeout after the launch (the device mode's agreement runs inside prepare, which
+            # every rank completed before the exit)
             "nccl_ep": _watchdog_ends(_EXIT_CONTRACT, "dispatch", raising="none", watchdog="others"),
-            "nccl_ep+check": None,
+            "nccl_ep+check": _EXIT_ABORTED,
+            "nccl_ep+device": _watchdog_ends(_EXIT_CONTRACT, "dispatch", raising="none", watchdog="others"),
         },
-        documented={"nccl_ep": "the survivors' dispatch kernels wait for the lost rank without a limit (no torch "
-                               "collective in the step); te_ep's watchdog ends them (exit code 70) one "
-                               "process-group timeout after the launch",
-                    "nccl_ep+check": "the survivors wait in the agreement all-gather on the NCCL process group; "
-                                     "by torch's defaults its NCCL watchdog ends the process when the collective "
-                                     "times out or NCCL reports the lost peer (no Python exception)"},
         world_sizes=(2, 3),
+        wall=lambda pg: 2 * pg + TORCH_ABORT_SLACK_S + 10,
     ),
     Case(
         "rank_sleeps_past_timeout",
@@ -456,28 +661,29 @@ CASES = [
             # finds no peers, and its own watchdog ends it one timeout after it arrives.
             "nccl_ep": _watchdog_ends(_SLEEP_CONTRACT, "dispatch", raising="none", watchdog="all",
                                       watchdog_max_s=_SLEEP_CONTRACT.max_s),
-            "nccl_ep+check": None,
+            "nccl_ep+check": _SLEEP_ABORTED,
+            "nccl_ep+device": _watchdog_ends(_SLEEP_CONTRACT, "dispatch", raising="none", watchdog="all",
+                                             watchdog_max_s=_SLEEP_CONTRACT.max_s),
         },
-        documented={"nccl_ep": "no torch collective in the step; the waiting ranks' dispatch kernels spin until te_ep's "
-                               "watchdog ends them (exit code 70) one process-group timeout after the launch; the "
-                               "late rank, finding no peers, is ended one timeout after it arrives",
-                    "nccl_ep+check": "the waiting ranks time out in the agreement all-gather on the NCCL process "
-                                     "group; by torch's defaults its NCCL watchdog ends them (no Python exception)"},
-        wall=lambda pg: 3 * pg + SLEEP_PAST_TIMEOUT_S + 10,
+        wall=lambda pg: 3 * pg + SLEEP_PAST_TIMEOUT_S + TORCH_ABORT_SLACK_S + 10,
     ),
     Case(
         "bad_step_then_recovery",
-        "a bad step (routing, then tokens) on one rank, each followed by good steps on the same and a new handle",
+        "bad routing on one rank, then EpHandle.check(); good steps on the same handle (with bad tokens on one rank "
+        "between them in the check mode `synchronous`) and on a new handle",
         body_bad_step_then_recovery, lambda W: W - 1,
-        _arg_error("prepare", "topk_idx[3, 0] = {E}", "out of range").but(recovers=True),
+        _BAD_STEP_CONTRACT,
         behaviour={
-            "reference": _arg_error("prepare", "topk_idx[3, 0] = {E}", "out of range").but(recovers=True),
-            "nccl_ep": None,
-            "nccl_ep+check": _check_routing(_arg_error("prepare").but(recovers=True), "te_ep.prepare", "topk_idx[3]",
+            "reference": _BAD_STEP_CONTRACT,
+            # EpHandle.check() raises on the faulty rank only and clears its record, without a
+            # collective: the handle then runs exact steps on every rank
+            "nccl_ep": _local(_BAD_STEP_CONTRACT, CHECK, GUARD_SAYS + "an expert id outside [-1, {E})",
+                              "first at topk_idx[3, 0] = {E}.", output="guarded"),
+            "nccl_ep+check": _check_routing(_BAD_STEP_CONTRACT.but(faulty_says=()), "te_ep.prepare", "topk_idx[3]",
                                             "outside [-1, {E})", others="te_ep.prepare failed on rank {faulty}"),
+            "nccl_ep+device": _device(_BAD_STEP_CONTRACT, CHECK,
+                                      "rank {faulty}: topk_idx[3, 0] = {E} (an expert id outside [-1, {E}))"),
         },
-        documented={"nccl_ep": NCCL_EP_ROUTING_DEFAULT + "; recovery then depends on NCCL EP's state",
-                    "nccl_ep+check": "every rank raises at each bad step; later steps are exact"},
     ),
 ]
 
@@ -488,9 +694,18 @@ CONTROLS = [
          body_control_overflow_shape, lambda W: 0, Expect(raising="none"), control=True),
     Case("control_wrong_output", "a rank's output corrupted before the check: seen as wrong",
          body_control_wrong_output, lambda W: W - 1, Expect(raising="none", wrong="faulty"), control=True),
+    Case("control_zero_output", "every rank's outputs zeroed before the check: seen as zeros",
+         body_control_zero_output, lambda W: 0, Expect(raising="none", output="zeros"), control=True),
+    Case("control_late_raise", "a correct step, then a raise on one rank in the follow-up: a late raise",
+         body_control_late_raise, lambda W: W - 1,
+         Expect(raising="faulty", fails_in=NEXT_PREPARE, faulty_says=("injected late error on rank {faulty}",),
+                names_handle=True), control=True),
     Case("control_hang", "a rank that never returns: killed at the wall limit, reported as a hang",
          body_control_hang, lambda W: W - 1, Expect(raising="none", hanging="faulty", outputs=False), control=True,
          wall=lambda pg: 3.0),
+    Case("control_hang_after", "a rank that never returns from a step after its faulted call: a hang as well",
+         body_control_hang_after, lambda W: W - 1, Expect(raising="none", hanging="faulty", outputs=False),
+         control=True, wall=lambda pg: 3.0),
 ]
 
 CASES_BY_NAME = {case.name: case for case in CASES + CONTROLS}

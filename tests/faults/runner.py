@@ -16,12 +16,18 @@ child also exits by itself after both limits and a margin, so no orphan outlives
 that died.
 
 Records. A rank writes its record (JSON) when it has one: at the fault point (so a rank
-that is killed still has its fault time), when it exits on purpose, and when the case body
-returns. Then it lingers until the runner has a record or an exit status from every rank,
-so a rank that finished early never changes what the others see by closing its
-connections (a rank that *dies* does, and that is what the exit case measures). Exit
-codes: 0 the body returned, 1 it raised outside `FaultCtx.faulted` (a harness error), the
-injected code for a deliberate exit, negative for a signal (-9: killed by the runner).
+that is killed still has its fault time), at each stage of the case (the faulted step, the
+follow-up a body runs after it inside the faulted call, each recovery step), when it exits
+on purpose, and when the case body returns (``done``). The runner waits for the *whole*
+body of every rank, not only its faulted call: a rank that is still running at the
+wall-clock limit is a hang wherever it is (in the faulted step, its follow-up, an output
+check or a recovery step), and a rank that dies after its faulted call is recorded as such
+(``after``). Then it lingers until the runner has heard from every rank, so a rank that
+finished early never changes what the others see by closing its connections (a rank that
+*dies* does, and that is what the exit case measures). Exit codes: 0 the body returned, 1 it
+raised outside `FaultCtx.faulted` (a harness error), the injected code for a deliberate
+exit, 70 te_ep's watchdog, negative for a signal (-9: killed by the runner; -6: an abort,
+e.g. by torch's NCCL watchdog).
 """
 
 from __future__ import annotations
@@ -45,6 +51,11 @@ DEFAULT_PG_TIMEOUT_CUDA_S = 20.0
 DEFAULT_STARTUP_LIMIT_S = 180.0
 # The exit code of a rank that leaves on purpose (the rank_exits_mid_step case).
 INJECTED_EXIT_CODE = 3
+WATCHDOG_EXIT_CODE = 70  # a rank te_ep's watchdog ended (csrc/common/watchdog.h)
+# A rank torch's NCCL watchdog ended: it rethrows the collective's timeout (or NCCL's error)
+# from its own thread, so std::terminate aborts the process (SIGABRT), after this line in stderr.
+TORCH_ABORT_EXIT_CODE = -6
+TORCH_WATCHDOG_SAYS = "watchdog thread terminated with exception"
 # A finished rank waits at most this long for the others before it exits anyway.
 _LINGER_LIMIT_S = 600.0
 
@@ -70,8 +81,10 @@ class RunConfig:
 
     @property
     def variant(self) -> str:
-        """Which declared behaviour applies: "reference" (on CPU), "nccl_ep", "nccl_ep+check";
-        "reference+cuda" and "nccl_ep+device" (not measured yet) have none."""
+        """Which declared behaviour applies (cases.VARIANTS): "reference" (on CPU), "nccl_ep"
+        (check mode `local`), "nccl_ep+check" (--check-routing: TE_EP_CHECK_ROUTING=1, mode
+        `synchronous`), "nccl_ep+device" (--device-checks: TE_EP_DEVICE_CHECKS=1, mode `device`);
+        "reference+cuda" has none (judged only for undeclared hangs and wrong outputs)."""
         if self.backend == "nccl_ep":
             return "nccl_ep+check" if self.check_routing else "nccl_ep+device" if self.device_checks else "nccl_ep"
         return self.backend if self.device == "cpu" else f"{self.backend}+{self.device}"
@@ -84,6 +97,15 @@ class RankRecord:
     # purpose; "hang": killed at the wall limit; "died": the process ended without a record
     # (a signal, an abort); "error": the case body failed outside the faulted call (harness).
     status: str = "died"
+    # Where the rank is: "set-up", "step" (the faulted step), a follow-up the body names inside
+    # the faulted call ("next prepare", "check()"), "after: <recovery step>", "done".
+    stage: str = "set-up"
+    # The stage in which the faulted call raised, or the rank died or hung inside it.
+    failed_in: str = ""
+    done: bool = False  # the case body returned (or failed as a harness error): the record is final
+    # A rank whose faulted call returned or raised but whose body did not finish:
+    # "died(<exit code>) in <stage>" or "hang in <stage>".
+    after: str = ""
     exc_type: str = ""
     exc_mro: List[str] = dataclasses.field(default_factory=list)
     message: str = ""
@@ -91,7 +113,11 @@ class RankRecord:
     t_end: Optional[float] = None  # ... when the faulted call raised or returned (or the rank was killed)
     seconds: Optional[float] = None  # t_end - the case's fault time (the earliest t_fault of any rank)
     exit_code: Optional[int] = None
-    output: str = ""  # "correct", "wrong: ...", or "" where no completed output was checked
+    # The completed faulted step's outputs: "correct" (exact for the routing as given), the name
+    # of an alternative the body offered that they match exactly ("guarded": the step without
+    # the bad choices; "zeros": every output exactly 0), "wrong: ..." (none of these), or ""
+    # where no completed output was checked.
+    output: str = ""
     recovery: List[List[str]] = dataclasses.field(default_factory=list)  # [step, "ok" | "failed: ..."]
     handle_id: Optional[int] = None
     traceback: str = ""
@@ -107,14 +133,26 @@ class RankRecord:
             return None
         return re.search(rf"\bhandle(?:_id)? {self.handle_id}\b", self.message) is not None
 
+    @property
+    def hung(self) -> bool:
+        """Still running at the wall-clock limit (in its faulted call or after it)."""
+        return self.status == "hang" or self.after.startswith("hang")
+
     def outcome(self) -> str:
+        late = f" in {self.failed_in}" if self.failed_in and self.failed_in != "step" else ""
+        out = {"": "", "correct": ":ok"}.get(self.output, ":WRONG" if self.output.startswith("wrong") else
+                                             f":{self.output}")
         if self.status == "completed":
-            return "completed" + {"correct": ":ok", "wrong": ":WRONG"}.get(self.output.split(":")[0], "")
-        if self.status == "exited":
-            return f"exited({self.exit_code})"
-        if self.status == "died":
-            return f"died({self.exit_code})"
-        return self.status
+            text = "completed" + out
+        elif self.status == "exited":
+            text = f"exited({self.exit_code})"
+        elif self.status == "died":
+            text = f"died({self.exit_code}){late}" + (f" (step{out})" if out else "")
+        elif self.status == "raised":
+            text = f"raised{late}" + (f" (step{out})" if out else "")
+        else:
+            text = self.status + late
+        return text + (f", then {self.after}" if self.after else "")
 
 
 @dataclasses.dataclass
@@ -165,23 +203,38 @@ class FaultCtx:
             self.record.t_fault = time.time()
             self.write()
 
+    def stage(self, name: str) -> None:
+        """Marks the part of the case the rank is in (e.g. the follow-up of the faulted step,
+        "next prepare"), so a raise, a death or a hang is attributed to it."""
+        self.record.stage = name
+        self.write()
+
+    def sync(self) -> None:
+        """Waits for this rank's GPU work (a no-op on CPU): a step whose kernels wait for a lost
+        peer hangs (or is ended) here, in the stage that launched it."""
+        if self.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.synchronize()
+
     def faulted(self, call: Callable):
-        """Runs the faulted step. Returns ``(True, value)`` if it returned, ``(False, None)`` if it
-        raised (the exception is recorded; the body may go on with recovery steps)."""
+        """Runs the faulted call: the faulted step, and any follow-up the body runs after it
+        (marked with `stage`). Returns ``(True, value)`` if it returned, ``(False, None)`` if it
+        raised (the exception and the stage it was raised in are recorded; the body may go on
+        with recovery steps)."""
         assert not self._faulted_done, "one faulted call per case"
         self._faulted_done = True
         self.fault_point()
+        self.stage("step")
         try:
             value = call()
-            if self.device.startswith("cuda"):
-                # The step is done when the GPU is: a step whose kernels wait for a lost
-                # peer hangs (or is ended) here, inside the faulted call.
-                import torch
-
-                torch.cuda.synchronize()
+            # The call is done when the GPU is: a step whose kernels wait for a lost peer
+            # hangs (or is ended) here, inside the faulted call.
+            self.sync()
         except Exception as exc:  # noqa: BLE001 - recorded, judged by the expectation
             self.record.t_end = time.time()
             self.record.status = "raised"
+            self.record.failed_in = self.record.stage
             self._set_exception(exc)
             self.write()
             return False, None
@@ -190,20 +243,35 @@ class FaultCtx:
         self.write()
         return True, value
 
-    def check_output(self, check: Callable) -> None:
-        """Compares a completed step's outputs with the local reference; records the verdict."""
+    def check_output(self, check: Callable, *alternatives) -> None:
+        """Compares a completed step's outputs with the local reference; records the verdict.
+
+        `check` raises unless the outputs are exact for the routing as given ("correct");
+        `alternatives` are ``(name, check)`` pairs tried in order when it fails (e.g. "guarded",
+        "zeros"): the first that passes names the outputs; if none does, "wrong: <why check
+        failed>". What each rank's outputs must be is the case's declaration (expect.Expect)."""
         try:
             check()
         except Exception as exc:  # noqa: BLE001
-            self.record.output = f"wrong: {_first_line(exc)}"
+            verdict = f"wrong: {_first_line(exc)}"
+            for name, alternative in alternatives:
+                try:
+                    alternative()
+                except Exception:  # noqa: BLE001 - not this one either
+                    continue
+                verdict = name
+                break
+            self.record.output = verdict
         else:
             self.record.output = "correct"
         self.write()
 
     def recover(self, name: str, step: Callable) -> None:
         """A step after the fault (same or new handle); records "ok" or why not."""
+        self.stage(f"after: {name}")
         try:
             step()
+            self.sync()
         except Exception as exc:  # noqa: BLE001
             self.record.recovery.append([name, f"failed: {type(exc).__name__}: {_first_line(exc)}"])
         else:
@@ -305,6 +373,8 @@ def _child_main(case_name: str, rank: int, config: RunConfig, case_dir: str, sel
         f.record.t_end = f.record.t_end or time.time()
         f._set_exception(exc)
         code = 1
+    f.record.done = True
+    f.record.stage = "done"
     f.write()
     # Linger until the runner has heard from every rank (see the module docstring).
     release = os.path.join(case_dir, "release")
@@ -354,7 +424,11 @@ def _read_record(path: str) -> Optional[RankRecord]:
     return RankRecord(**data)
 
 
-_FINAL = ("completed", "raised", "exited", "error")
+def _finished(rec: Optional[RankRecord]) -> bool:
+    """The rank's record is final: its body returned (or failed as a harness error), or it left
+    on purpose. A rank whose faulted call returned is *not* finished: its follow-up, output
+    check or recovery steps may still hang."""
+    return rec is not None and (rec.done or rec.status in ("exited", "error"))
 
 
 def run_case(case, config: RunConfig) -> CaseResult:
@@ -400,7 +474,7 @@ def run_case(case, config: RunConfig) -> CaseResult:
             for r, p in enumerate(procs):
                 if r not in seen_dead and not p.is_alive():
                     seen_dead[r] = time.time()
-            done = [(rec is not None and rec.status in _FINAL) or r in seen_dead for r, rec in enumerate(recs)]
+            done = [_finished(rec) or r in seen_dead for r, rec in enumerate(recs)]
             if all(done):
                 break
             if time.monotonic() > deadline:
@@ -423,9 +497,6 @@ def run_case(case, config: RunConfig) -> CaseResult:
         shutil.rmtree(case_dir, ignore_errors=True)
 
 
-WATCHDOG_EXIT_CODE = 70  # a rank te_ep's watchdog ended (csrc/common/watchdog.h)
-
-
 def _stderr_of(path: str) -> str:
     try:
         with open(path.replace(".json", ".stderr"), errors="replace") as f:
@@ -434,22 +505,39 @@ def _stderr_of(path: str) -> str:
         return ""
 
 
+def _last_words(err: str) -> str:
+    """What a process that ended without a record said last: te_ep's watchdog's message, else
+    torch's NCCL watchdog's (the collective that timed out or failed), else nothing."""
+    lines = err.splitlines()
+    said = [line for line in lines if line.startswith("te_ep watchdog: ")]
+    said = said or [line.strip() for line in lines if TORCH_WATCHDOG_SAYS in line]
+    return said[-1] if said else ""
+
+
 def _finish_records(paths: List[str], procs, t_stop: float, seen_dead: dict) -> List[RankRecord]:
     recs = []
     for r, path in enumerate(paths):
         rec = _read_record(path) or RankRecord(rank=r, status="running")
         rec.exit_code = procs[r].exitcode
         if rec.status == "running":  # no final record: it died, or it was killed at the wall limit
+            rec.failed_in = rec.stage if rec.stage != "set-up" else ""
             if r in seen_dead:
                 rec.status, rec.t_end = "died", seen_dead[r]
                 # A process that ended without a record: its own last words (the watchdog's
                 # message where it ended the process) stand in for an exception's.
                 err = _stderr_of(path)
-                said = [line for line in err.splitlines() if line.startswith("te_ep watchdog: ")]
-                rec.message = said[-1] if said else ""
+                rec.message = _last_words(err)
                 rec.traceback = err[-4000:]
             else:
                 rec.status, rec.t_end = "hang", t_stop
+        elif not _finished(rec):  # past its faulted call, but the body did not return
+            if r in seen_dead:
+                err = _stderr_of(path)
+                words = _last_words(err)
+                rec.after = f"died({rec.exit_code}) in {rec.stage}" + (f": {words}" if words else "")
+                rec.traceback = rec.traceback or err[-4000:]
+            else:
+                rec.after = f"hang in {rec.stage}"
         recs.append(rec)
     t_fault = min((rec.t_fault for rec in recs if rec.t_fault is not None), default=None)
     for rec in recs:

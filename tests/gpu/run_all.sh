@@ -4,7 +4,9 @@
 # Runs, for every world size W in ${TE_EP_WORLD_SIZES:-2 4} that the machine has GPUs for:
 # the shared cases on the reference and nccl_ep backends (nccl_ep also against
 # the reference), the nccl_ep smoke test, and the 1000-step soak at the largest
-# W; the fault-injection cases (tests/faults) at W=2 on nccl_ep in both modes; then the
+# W; the fault-injection cases (tests/faults) at W=2 on nccl_ep in its three check modes
+# (default, TE_EP_CHECK_ROUTING=1, TE_EP_DEVICE_CHECKS=1). Every nccl_ep part runs once per
+# nccl_ep mode in ${TE_EP_NCCL_EP_MODES:-staged zero_copy}. Then the
 # permutation CUDA tests, the FP8 tests (quantize kernels, the FP8-dispatch MoE layer) and the
 # overlap tests (communication stream vs sequential layer, bitwise, with a delayed stream), and the
 # watchdog tests (one GPU: an nccl_ep op stalled behind a spinning kernel ends the process).
@@ -23,6 +25,8 @@ if [ "$ngpu" -lt 1 ]; then
   exit 1
 fi
 PARTS=" ${TE_EP_PARTS:-suite smoke soak perm faults fp8 overlap watchdog} "
+# nccl_ep's modes: the suite, smoke, soak and fault parts run once per mode.
+MODES=${TE_EP_NCCL_EP_MODES:-staged zero_copy}
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 status=0
 summary=()
@@ -41,29 +45,41 @@ largest=0
 for w in ${TE_EP_WORLD_SIZES:-2 4}; do
   [ "$w" -le "$ngpu" ] || continue
   largest=$w
-  want suite && for backend in reference nccl_ep; do
-    run "suite W=$w backend=$backend" "$LOG/suite.log" \
-      timeout 900 "$PY" -m torch.distributed.run --standalone --nproc-per-node="$w" tests/gpu/run_suite.py --backend "$backend"
+  want suite && run "suite W=$w backend=reference" "$LOG/suite.log" \
+    timeout 900 "$PY" -m torch.distributed.run --standalone --nproc-per-node="$w" tests/gpu/run_suite.py --backend reference
+  for mode in $MODES; do
+    want suite && run "suite W=$w backend=nccl_ep mode=$mode" "$LOG/suite.log" \
+      env TE_EP_NCCL_EP_MODE="$mode" timeout 900 "$PY" -m torch.distributed.run --standalone --nproc-per-node="$w" \
+      tests/gpu/run_suite.py --backend nccl_ep
+    # The error-agreement cases, on nccl_ep's checking mode.
+    want suite && run "suite W=$w nccl_ep mode=$mode TE_EP_CHECK_ROUTING=1" "$LOG/suite.log" \
+      env TE_EP_NCCL_EP_MODE="$mode" TE_EP_CHECK_ROUTING=1 timeout 900 "$PY" -m torch.distributed.run --standalone \
+      --nproc-per-node="$w" tests/gpu/run_suite.py --backend nccl_ep --agreement only
+    want smoke && run "nccl_ep smoke W=$w mode=$mode" "$LOG/smoke.log" \
+      env TE_EP_NCCL_EP_MODE="$mode" timeout 600 "$PY" -m torch.distributed.run --standalone --nproc-per-node="$w" \
+      tests/gpu/smoke_nccl_ep.py
   done
-  # The error-agreement cases, on nccl_ep's checking mode.
-  want suite && run "suite W=$w nccl_ep TE_EP_CHECK_ROUTING=1" "$LOG/suite.log" \
-    env TE_EP_CHECK_ROUTING=1 timeout 900 "$PY" -m torch.distributed.run --standalone --nproc-per-node="$w" \
-    tests/gpu/run_suite.py --backend nccl_ep --agreement only
-  want smoke && run "nccl_ep smoke W=$w" "$LOG/smoke.log" \
-    timeout 600 "$PY" -m torch.distributed.run --standalone --nproc-per-node="$w" tests/gpu/smoke_nccl_ep.py
 done
 if [ "$largest" -gt 0 ] && want soak; then
-  run "soak 1000 steps W=$largest nccl_ep" "$LOG/soak.log" \
-    timeout 900 "$PY" -m torch.distributed.run --standalone --nproc-per-node="$largest" tests/gpu/soak.py --steps 1000
+  for mode in $MODES; do
+    run "soak 1000 steps W=$largest nccl_ep mode=$mode" "$LOG/soak.log" \
+      env TE_EP_NCCL_EP_MODE="$mode" timeout 900 "$PY" -m torch.distributed.run --standalone \
+      --nproc-per-node="$largest" tests/gpu/soak.py --steps 1000
+  done
 fi
 # Each fault case in fresh processes with a hard wall-clock limit; fails on a behaviour
 # other than the one declared in tests/faults/cases.py (docs/ops.md, "Faults and bad input").
 if [ "$ngpu" -ge 2 ] && want faults; then
-  run "faults W=2 nccl_ep" "$LOG/faults.log" timeout 1200 "$PY" -m tests.faults --backend nccl_ep --world-size 2 -v
-  run "faults W=2 nccl_ep TE_EP_CHECK_ROUTING=1" "$LOG/faults.log" \
-    timeout 1200 "$PY" -m tests.faults --backend nccl_ep --world-size 2 --check-routing -v
-  run "faults W=2 nccl_ep TE_EP_DEVICE_CHECKS=1 (measured)" "$LOG/faults.log" \
-    timeout 1200 "$PY" -m tests.faults --backend nccl_ep --world-size 2 --device-checks -v
+  for mode in $MODES; do
+    run "faults W=2 nccl_ep mode=$mode" "$LOG/faults.log" \
+      env TE_EP_NCCL_EP_MODE="$mode" timeout 1200 "$PY" -m tests.faults --backend nccl_ep --world-size 2 -v
+    run "faults W=2 nccl_ep mode=$mode TE_EP_CHECK_ROUTING=1" "$LOG/faults.log" \
+      env TE_EP_NCCL_EP_MODE="$mode" timeout 1200 "$PY" -m tests.faults --backend nccl_ep --world-size 2 \
+      --check-routing -v
+    run "faults W=2 nccl_ep mode=$mode TE_EP_DEVICE_CHECKS=1" "$LOG/faults.log" \
+      env TE_EP_NCCL_EP_MODE="$mode" timeout 1200 "$PY" -m tests.faults --backend nccl_ep --world-size 2 \
+      --device-checks -v
+  done
 fi
 want perm && run "permutation CUDA tests" "$LOG/permutation.log" timeout 900 "$PY" -m pytest -q tests/test_permutation.py -k cuda
 want fp8 && run "FP8 CUDA tests" "$LOG/fp8.log" \
