@@ -9,10 +9,11 @@ whether it raised, the exception type and message, the seconds from the fault to
 (or completion), the exit code, and, where a rank completes the faulted step, whether its
 outputs are exact (the fingerprint checks of tests/ep_cases), so a silently wrong result is
 seen. Every case declares what the contract asks of it and what the code does today where
-that falls short (`cases.Expect`); tests/test_faults.py asserts both on CPU/gloo.
+that falls short (`cases.Expect`); tests/test_faults.py asserts both on CPU/gloo. A hang or a wrong
+output that a case does not declare fails it in every variant.
 
     python3 -m tests.faults --backend reference --world-size 2
-    python3 -m tests.faults --backend nccl_ep --device cuda --world-size 2 [--check-routing]
+    python3 -m tests.faults --backend nccl_ep --device cuda --world-size 2 [--check-routing | --device-checks]
 
 Modules: `runner` (processes, records, the table), `cases` (the faults and their
 expectations), `__main__` (the command line).
