@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from .autograd import ep_combine, ep_dispatch, ep_dispatch_fp8
 from .group import EpGroup, EpHandle
 from .ops import FP8_BLOCK, dequantize_fp8, quantize_fp8
-from .overlap import comm_stream_for, overlapped
+from .overlap import comm_stream_for, join, launch
 from .permutation import permute, unpermute, worst_case_capacity
 
 __all__ = [
@@ -177,19 +177,48 @@ class TopKRouter(nn.Module):
             f"aux_loss_coef={self.aux_loss_coef}"
         )
 
+    def _group_size(self) -> int:
+        return 1 if self.process_group is None else torch.distributed.get_world_size(self.process_group)
+
     def _sum_over_group(self, t: Tensor) -> Tensor:
-        if self.process_group is None or torch.distributed.get_world_size(self.process_group) == 1:
+        if self._group_size() == 1:
             return t
         from torch.distributed import _functional_collectives as funcol
 
         return funcol.all_reduce(t, "sum", self.process_group)
 
-    def forward(self, x: Tensor, on_select: Optional[Callable[[Tensor], None]] = None) -> RouterOutput:
+    def _choice_counts(self, topk_idx: Tensor) -> Tensor:
+        """``[E]`` int64: how many of this call's choices picked each expert."""
+        flat = topk_idx.reshape(-1)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=topk_idx.device)
+        return counts.index_add(0, flat, torch.ones_like(flat))
+
+    def _choice_fractions(self, tokens_per_expert: Tensor) -> Tensor:
+        """``f``: the fraction of the choices (over ``process_group``) that picked each expert."""
+        # f is a count (no gradient), so summing it over ranks needs no autograd;
+        # P stays local and differentiable, and averaging the ranks' losses (what
+        # data-parallel gradient reduction does) averages P over the global batch.
+        counts = self._sum_over_group(tokens_per_expert)
+        return counts / counts.sum().clamp_min(1.0)
+
+    def forward(
+        self,
+        x: Tensor,
+        on_select: Optional[Callable[[Tensor], None]] = None,
+        on_weights: Optional[Callable[[Tensor, Tensor], None]] = None,
+    ) -> RouterOutput:
         """Routes ``x [T, hidden]``.
 
         ``on_select(topk_idx)`` runs as soon as the expert choice is known, before the
         weights, the load statistics and the auxiliary loss: the MoE layer starts the
         routing exchange (``prepare``) there so that the rest of the router runs behind it.
+        ``on_weights(topk_idx, topk_weights)`` runs once the routing weights are known too,
+        before the load statistics and the auxiliary loss (which nothing of the token
+        exchange reads): the MoE layer launches the dispatch there, so that they run
+        behind it. One exception: with an aux loss and a ``process_group`` of more than one
+        rank, the choice counts and their sum over the group (a collective on another
+        communicator) come before ``on_weights``, so that collective has completed on the
+        current stream before a dispatch is launched, never running alongside it.
         """
         logits = F.linear(x.float(), self.weight.float())
         scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
@@ -197,26 +226,31 @@ class TopKRouter(nn.Module):
         topk_idx = select.detach().topk(self.top_k, dim=-1).indices
         if on_select is not None:
             on_select(topk_idx)
+        counts = f = None
+        if self.aux_loss_coef > 0 and self._group_size() > 1:
+            counts = self._choice_counts(topk_idx)
+            tokens_per_expert = counts.float()
+            # Reading the sum (counts.sum() in there) makes the current stream wait for the
+            # all-reduce, and on_weights' launch orders the dispatch after the current stream.
+            f = self._choice_fractions(tokens_per_expert)
         topk_weights = scores.gather(1, topk_idx)
         if self.normalize_weights:
             topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
         if self.route_scale != 1.0:
             topk_weights = topk_weights * self.route_scale
+        if on_weights is not None:
+            on_weights(topk_idx, topk_weights)
 
-        flat = topk_idx.reshape(-1)
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
-        counts = counts.index_add(0, flat, torch.ones_like(flat))
-        tokens_per_expert = counts.float()
+        if counts is None:
+            counts = self._choice_counts(topk_idx)
+            tokens_per_expert = counts.float()
         if self.training:
             self.expert_load.add_(counts)
 
         aux_loss = None
         if self.aux_loss_coef > 0:
-            # f is a count (no gradient), so summing it over ranks needs no autograd;
-            # P stays local and differentiable, and averaging the ranks' losses (what
-            # data-parallel gradient reduction does) averages P over the global batch.
-            counts = self._sum_over_group(tokens_per_expert)
-            f = counts / counts.sum().clamp_min(1.0)
+            if f is None:
+                f = self._choice_fractions(tokens_per_expert)
             probs = scores if self.score_func == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
             p = probs.mean(dim=0)
             aux_loss = self.aux_loss_coef * self.num_experts * (f * p).sum()
@@ -279,7 +313,11 @@ def _check_router_options(options: Dict[str, object]) -> None:
 
 
 class SwiGLU(nn.Module):
-    """``down(silu(x @ gate) * (x @ up))``: the dense (shared) expert."""
+    """``down(silu(x @ gate) * (x @ up))``: the dense (shared) expert.
+
+    ``forward(x)`` is ``self.down(self.gate_up(x))``; the overlapped MoE layer calls the two
+    halves apart (the first while the dispatch runs, the second while the combine runs).
+    """
 
     def __init__(self, hidden: int, ffn_hidden: int, *, dtype: torch.dtype = torch.float32, device=None) -> None:
         super().__init__()
@@ -287,8 +325,12 @@ class SwiGLU(nn.Module):
         self.up = nn.Linear(hidden, ffn_hidden, bias=False, dtype=dtype, device=device)
         self.down = nn.Linear(ffn_hidden, hidden, bias=False, dtype=dtype, device=device)
 
+    def gate_up(self, x: Tensor) -> Tensor:
+        """``silu(x @ gate) * (x @ up)``: the input of ``down``."""
+        return F.silu(self.gate(x)) * self.up(x)
+
     def forward(self, x: Tensor) -> Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(self.gate_up(x))
 
 
 class GroupedExperts(nn.Module):
@@ -415,11 +457,15 @@ class MoE(nn.Module):
             experts see the same FP8 round trip of the tokens, so results do not depend
             on the EP size. ``hidden`` must be a multiple of 128 (512 on ``nccl_ep``).
         overlap: with expert parallelism on CUDA, run dispatch and combine on a
-            communication stream (:mod:`te_ep_torch.overlap`) and the shared expert on the
-            current stream meanwhile, forward and backward. Same results as without it
-            (the same kernels on the same data; only their timing changes). Sequential
-            under ``torch.compile`` and on CPU; a CUDA graph captures the overlap. Off by
-            default until measured on GPUs (docs/moe.md, "Overlap").
+            communication stream (:mod:`te_ep_torch.overlap`) and, on the current stream
+            meanwhile, the router's load statistics and aux loss and the shared expert's
+            gate/up projections (behind the dispatch) and its down projection (behind the
+            combine); in backward, ``combine_bwd`` and ``dispatch_bwd`` run on the
+            communication stream next to those parts' gradients. Same results as without it,
+            bit for bit (the same kernels on the same data in the same order; only their
+            timing changes). Sequential under ``torch.compile`` and on CPU; a CUDA graph
+            captures the overlap. Off by default until measured on GPUs (docs/moe.md,
+            "Overlap").
         dtype, device: of the expert and shared-expert weights; the router weight is
             float32.
         **router_options: the router's options, passed to :class:`TopKRouter`: any of
@@ -539,14 +585,15 @@ class MoE(nn.Module):
     def forward(self, x: Tensor, return_aux_loss: bool = False):
         shape = x.shape
         tokens = x.reshape(-1, self.hidden)
-        shared = None
         if self._ep_group is None:
             routing = self.router(tokens)
             y = self._experts_local(tokens, routing)
+            if self.shared_expert is not None:
+                y = y + self.shared_expert(tokens)
         else:
             routing, y, shared = self._experts_ep(tokens)
-        if self.shared_expert is not None:
-            y = y + (self.shared_expert(tokens) if shared is None else shared)
+            if shared is not None:
+                y = y + shared
         self.aux_loss = routing.aux_loss
         y = y.reshape(shape)
         return (y, routing.aux_loss) if return_aux_loss else y
@@ -570,31 +617,44 @@ class MoE(nn.Module):
         return unpermute(y, perm_map)
 
     def _experts_ep(self, tokens: Tensor) -> Tuple[RouterOutput, Tensor, Optional[Tensor]]:
-        """(routing, combined expert output, the shared expert's output where it ran
-        overlapped with the dispatch, else None)."""
+        """(routing, combined expert output, the shared expert's output or None).
+
+        One control flow with and without overlap (``comm`` is ``None`` without): the same
+        ops in the same order, so the autograd graph, and with it every result and gradient,
+        is the same. With ``comm`` (docs/moe.md, "Overlap"), on the current stream:
+        router choice -> prepare -> routing weights -> [dispatch launched on ``comm``] ->
+        load statistics, aux loss, shared expert's gate/up -> join -> experts, weighting ->
+        [combine launched on ``comm``] -> shared expert's down -> join.
+        """
         handle = self._handles.get(tokens.dtype)
         if handle is None:
             raise RuntimeError(
                 f"MoE: no expert-parallel handle for {tokens.dtype} tokens (have {sorted(map(str, self._handles))}); "
                 f"call enable_expert_parallel(ep_group, dtype={tokens.dtype}) first"
             )
-        prepared = []
-        routing = self.router(tokens, on_select=lambda topk_idx: prepared.append(handle.prepare(topk_idx)))
         comm = comm_stream_for(tokens.device) if self.overlap else None
+        prepared, dispatched = [], []
 
-        def dispatch():
+        def dispatch(topk_idx: Tensor, topk_weights: Tensor):
             if self.dispatch_dtype is not None:
-                return ep_dispatch_fp8(handle, tokens, routing.topk_idx, routing.topk_weights, prepared=prepared[0])
-            return ep_dispatch(handle, tokens, routing.topk_idx, routing.topk_weights, prepared=prepared[0])
+                return ep_dispatch_fp8(handle, tokens, topk_idx, topk_weights, prepared=prepared[0])
+            return ep_dispatch(handle, tokens, topk_idx, topk_weights, prepared=prepared[0])
 
-        shared = None
-        if comm is None:
-            out = dispatch()
-        else:
-            # The shared expert runs on the current stream while the dispatch runs on the
-            # communication stream (and, in backward, while dispatch_bwd does).
-            out, shared = overlapped(comm, dispatch, (tokens, routing.topk_weights),
-                                     None if self.shared_expert is None else lambda: self.shared_expert(tokens))
+        def launch_dispatch(topk_idx: Tensor, topk_weights: Tensor) -> None:
+            dispatched.append(launch(comm, lambda: dispatch(topk_idx, topk_weights), (tokens, topk_weights)))
+
+        # The router's load statistics and aux loss run after the dispatch's launch (on_weights).
+        routing = self.router(
+            tokens, on_select=lambda topk_idx: prepared.append(handle.prepare(topk_idx)), on_weights=launch_dispatch
+        )
+        shared_expert = self.shared_expert
+        split = _splittable(shared_expert)
+        shared = hidden = None
+        if split:
+            hidden = shared_expert.gate_up(tokens)  # behind the dispatch
+        elif shared_expert is not None:
+            shared = shared_expert(tokens)  # the whole of an expert that can't be split
+        out = join(comm, dispatched[0])
         rows = out.dequantize(tokens.dtype) if self.dispatch_dtype is not None else out.tokens
         y = self.experts(rows, out.expert_counts)
         if handle.mode == "zero_copy" and not torch.compiler.is_compiling():
@@ -603,12 +663,10 @@ class MoE(nn.Module):
             y = _WeightedIntoBuffer.apply(y, out.weights, handle)
         else:
             y = (y.float() * out.weights.unsqueeze(1)).to(y.dtype)
-
-        def combine():
-            return ep_combine(handle, y, tokens.shape[0])
-
-        combined = combine() if comm is None else overlapped(comm, combine, (y,))[0]
-        return routing, combined, shared
+        combined = launch(comm, lambda: ep_combine(handle, y, tokens.shape[0]), (y,))
+        if split:
+            shared = shared_expert.down(hidden)  # behind the combine
+        return routing, join(comm, combined), shared
 
     @torch.no_grad()
     def update_expert_bias(self) -> Optional[Tensor]:
@@ -627,6 +685,16 @@ class MoE(nn.Module):
         fp8 = ", dispatch_dtype=fp8" if self.dispatch_dtype is not None else ""
         overlap = ", overlap=True" if self.overlap else ""
         return f"ep_size={self.ep_size}{fp8}{overlap}"
+
+
+def _splittable(module: Optional[nn.Module]) -> bool:
+    """Whether the layer may call a shared expert in two halves (:meth:`SwiGLU.gate_up`, then
+    ``down``): a plain :class:`SwiGLU` with no hooks of its own. Hooks see a module's forward
+    as a whole (``fully_shard`` hooks the module and changes its class, for one), so any other
+    shared expert is called whole, behind the dispatch."""
+    return type(module) is SwiGLU and not (
+        module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks or module._backward_hooks
+    )
 
 
 class _Fp8RoundTrip(torch.autograd.Function):

@@ -4,17 +4,26 @@
 there after everything already queued on the caller's current stream, ``join`` makes the
 current stream wait for it. The event contract is exactly that fork and join: between
 them the current stream may run anything that does not read the launched work's outputs.
+The module functions :func:`launch`, :func:`join` and :func:`overlapped` take the stream
+or ``None`` (no overlap: the work runs at once, in place), so that a caller writes one
+control flow for both.
 
 Memory safety with the caching allocator: a tensor made on one stream and used on the
 other is recorded on the stream that uses it (``Tensor.record_stream``), so its memory is
 not handed to another allocation before that stream's kernels are done with it: inputs of
 the launched work are recorded on the communication stream, its outputs on the current
-stream at ``join``. Memory te_ep owns (zero-copy windows) is not the allocator's and needs
-no record.
+stream at ``join``. Without the record, an input whose last reference the caller drops
+right after the launch would go back to the current stream's pool at once, and a tensor
+allocated next on that stream could take its memory and overwrite it before the delayed
+communication kernel reads it (tests/test_moe.py, ``test_overlap_record_stream_gpu``
+shows exactly that with the record taken out). Memory te_ep owns (zero-copy windows) is
+not the allocator's and needs no record.
 
 Autograd: the backward of an op that ran on the communication stream runs there too, and
 the autograd engine synchronizes the streams where gradients cross them (PyTorch's
-"stream semantics of backward passes"), so the backward overlaps the same way.
+"stream semantics of backward passes": the consumer stream waits on an event of the
+producer stream and the gradient is recorded on the consumer stream), so the backward
+overlaps the same way.
 
 Where it does nothing: on CPU (no streams) and under ``torch.compile`` (the compiled graph
 runs on the caller's stream: the layer is sequential there). A CUDA graph captures the fork
@@ -28,11 +37,17 @@ from typing import Callable, Dict, Iterable, Optional, Tuple, TypeVar
 import torch
 from torch import Tensor
 
-__all__ = ["CommStream", "comm_stream_for", "overlapped"]
+__all__ = ["CommStream", "comm_stream_for", "join", "launch", "overlapped"]
 
 T = TypeVar("T")
 
 _streams: Dict[int, "CommStream"] = {}
+
+
+def _record_stream(t: Tensor, stream: torch.cuda.Stream) -> None:
+    """``t.record_stream(stream)``: every record of this module goes through here (a test
+    replaces it to show the corruption a missing record causes)."""
+    t.record_stream(stream)
 
 
 class CommStream:
@@ -54,7 +69,7 @@ class CommStream:
             result = fn()
         for t in inputs:
             if t is not None and t.is_cuda:
-                t.record_stream(self.stream)
+                _record_stream(t, self.stream)
         return result
 
     def join(self, outputs: Iterable[Optional[Tensor]]) -> None:
@@ -63,7 +78,7 @@ class CommStream:
         current.wait_stream(self.stream)
         for t in outputs:
             if t is not None and t.is_cuda:
-                t.record_stream(current)
+                _record_stream(t, current)
 
 
 def comm_stream_for(device: torch.device) -> Optional[CommStream]:
@@ -79,13 +94,40 @@ def comm_stream_for(device: torch.device) -> Optional[CommStream]:
     return stream
 
 
-def overlapped(comm: CommStream, fn: Callable[[], T], inputs: Iterable[Optional[Tensor]],
+def _tensors(result: object) -> Tuple[Optional[Tensor], ...]:
+    """The tensors of a launched function's result: itself, or the tensor fields of a tuple
+    (a ``NamedTuple`` such as ``DispatchOutput`` included)."""
+    if isinstance(result, Tensor):
+        return (result,)
+    if isinstance(result, tuple):
+        return tuple(t for t in result if isinstance(t, Tensor))
+    raise TypeError(f"te_ep_torch.overlap: launched work must return a tensor or a tuple of tensors, got {type(result)}")
+
+
+def launch(comm: Optional[CommStream], fn: Callable[[], T], inputs: Iterable[Optional[Tensor]]) -> T:
+    """``fn()`` on ``comm`` (:meth:`CommStream.launch`), or at once where ``comm`` is ``None``.
+
+    The result is not usable on the current stream before :func:`join`.
+    """
+    return fn() if comm is None else comm.launch(fn, inputs)
+
+
+def join(comm: Optional[CommStream], result: T) -> T:
+    """The join of :func:`launch`: the current stream waits for ``comm`` and the tensors of
+    ``result`` (a tensor or a tuple of tensors) are recorded there. Returns ``result``;
+    nothing to do where ``comm`` is ``None``."""
+    if comm is not None:
+        comm.join(_tensors(result))
+    return result
+
+
+def overlapped(comm: Optional[CommStream], fn: Callable[[], T], inputs: Iterable[Optional[Tensor]],
                meanwhile: Optional[Callable[[], object]] = None) -> Tuple[T, object]:
     """``fn()`` on the communication stream while ``meanwhile()`` runs on the current one, then
     the join: ``(fn's result, meanwhile's result or None)``. ``fn`` returns a tensor or a tuple
     of tensors (its outputs, usable on the current stream afterwards); ``inputs`` as in
-    :meth:`CommStream.launch`."""
-    result = comm.launch(fn, inputs)
+    :meth:`CommStream.launch`. Without ``comm``: ``fn()``, then ``meanwhile()``, the same
+    calls in the same order."""
+    result = launch(comm, fn, inputs)
     side = meanwhile() if meanwhile is not None else None
-    comm.join(result if isinstance(result, tuple) else (result,))
-    return result, side
+    return join(comm, result), side

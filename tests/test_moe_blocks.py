@@ -3,7 +3,9 @@
 NativeMoEBlock and TeEpMoEBlock must compute the same layer: the same output
 and the same gradients (input, router, expert weights) for the same parameters
 and input, and both must match a dense single-process computation in float64.
-The benchmark script must run under torchrun with ``--device cpu``.
+The benchmark script must run under torchrun with ``--device cpu``, and
+benchmarks/bench_quantize.py in one process with ``--device cpu``, printing its table
+with the bytes each row must count.
 
 Multi-process tests launch themselves: 2 spawned processes over gloo on a free
 port, under a timeout.
@@ -356,6 +358,92 @@ def test_bench_moe_layer_cpu_bf16_grouped_mm(tmp_path):
 def test_bench_moe_layer_cpu_without_compute_only(tmp_path):
     output, rows = _run_bench(tmp_path, "--no-compute-only")
     assert [r["block"] for r in rows] == ["native", "te_ep"] and "exposed comm" not in output, output
+
+
+# ---- benchmarks/bench_quantize.py (one process, --device cpu) ----------------------------------
+
+
+def _python(script, *args, cwd) -> subprocess.CompletedProcess:
+    """Runs ``script`` in one CPU process; returns the finished process (output in ``stdout``)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    if (REPO / "te_ep_torch" / "_C.so").exists():
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    try:
+        return subprocess.run([sys.executable, str(script), *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{script} did not finish within {TIMEOUT_S}s:\n{e.stdout}")
+
+
+def _quantize_tables(output: str) -> dict:
+    """{(T, H, dtype): [(op, bytes, ms, GB/s, x copy, x same), ...]} of bench_quantize's output."""
+    tables, rows = {}, None
+    for line in output.splitlines():
+        m = re.fullmatch(r"T=(\d+) H=(\d+) (\w+)", line.strip())
+        if m:
+            rows = tables.setdefault((int(m[1]), int(m[2]), m[3]), [])
+        elif rows is not None and line.strip() and not line.startswith(("op ", "---", "wrote")):
+            *op, num_bytes, ms, gbps, x_copy, x_same = line.split()
+            rows.append((" ".join(op), int(num_bytes), float(ms), float(gbps), float(x_copy), float(x_same)))
+    return tables
+
+
+def _quantize_bytes(tokens: int, hidden: int, in_size: int, out_size: int) -> dict:
+    """Bytes each row of bench_quantize must count: read + written."""
+    fp8 = tokens * hidden + tokens * hidden // 128 * 4  # e4m3 values + float32 scales
+    quantize = tokens * hidden * in_size + fp8
+    return {"copy": 2 * tokens * hidden * in_size, "copy same bytes": 2 * (quantize // 2), "quantize": quantize,
+            "quantize pow2": quantize, "dequantize": fp8 + tokens * hidden * out_size}
+
+
+def test_bench_quantize_cpu(tmp_path):
+    csv_path = tmp_path / "quantize.csv"
+    shapes = [(64, 256), (16, 2176)]  # 2176: a multiple of 128, not of 512
+    proc = _python(REPO / "benchmarks" / "bench_quantize.py", "--device", "cpu", "--warmup", "1", "--iters", "3",
+                   "--shapes", *[f"{t}x{h}" for t, h in shapes], "--csv", str(csv_path), cwd=tmp_path)
+    output = proc.stdout
+    assert proc.returncode == 0, output
+    assert "device: CPU" in output and f"torch {torch.__version__}" in output, output
+    tables = _quantize_tables(output)
+    assert list(tables) == [(t, h, "bfloat16") for t, h in shapes], output
+    for (tokens, hidden, _), rows in tables.items():
+        assert [r[0] for r in rows] == ["copy", "copy same bytes", "quantize", "quantize pow2",
+                                        "dequantize->bfloat16"], output
+        want = _quantize_bytes(tokens, hidden, 2, 2)
+        assert [r[1] for r in rows] == [want["copy"], want["copy same bytes"], want["quantize"],
+                                        want["quantize pow2"], want["dequantize"]], output
+        copy_gbps, same_gbps = rows[0][3], rows[1][3]
+        assert rows[0][4] == 1.0 and rows[1][5] == 1.0, output
+        for op, num_bytes, ms, gbps, x_copy, x_same in rows:
+            assert ms > 0 and gbps > 0, output
+            # printed to 4 decimals (ms), 1 (GB/s) and 2 (ratios): compare with matching slack
+            assert abs(x_copy - gbps / copy_gbps) <= 0.01 + 0.01 * x_copy, (op, output)
+            assert abs(x_same - gbps / same_gbps) <= 0.01 + 0.01 * x_same, (op, output)
+    with open(csv_path) as f:
+        rows = list(csv.DictReader(f))
+    assert [(int(r["tokens"]), int(r["hidden"]), r["op"]) for r in rows] == [
+        (t, h, op) for t, h in shapes for op in ("copy", "copy same bytes", "quantize", "quantize pow2", "dequantize")]
+    for r in rows:
+        want = _quantize_bytes(int(r["tokens"]), int(r["hidden"]), 2, 2)[r["op"]]
+        assert int(r["bytes"]) == want, r
+        assert float(r["gbps"]) == pytest.approx(want / (float(r["median_ms"]) * 1e-3) / 1e9), r
+    assert [r["out_dtype"] for r in rows[:5]] == ["bfloat16", "uint8", "float8_e4m3fn", "float8_e4m3fn", "bfloat16"]
+
+
+def test_bench_quantize_cpu_fp32_dequantize_dtype_and_bad_shape(tmp_path):
+    script = REPO / "benchmarks" / "bench_quantize.py"
+    proc = _python(script, "--device", "cpu", "--warmup", "0", "--iters", "2", "--dtype", "fp32",
+                   "--dequantize-dtype", "bf16", "--shapes", "8x384", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout
+    (rows,) = _quantize_tables(proc.stdout).values()
+    assert [r[0] for r in rows][-1] == "dequantize->bfloat16", proc.stdout
+    want = _quantize_bytes(8, 384, 4, 2)
+    assert [r[1] for r in rows] == [want["copy"], want["copy same bytes"], want["quantize"], want["quantize pow2"],
+                                    want["dequantize"]], proc.stdout
+    # A hidden the op refuses is a usage error naming the argument and the block size.
+    proc = _python(script, "--device", "cpu", "--shapes", "8x200", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout
+    assert "argument --shapes: hidden must be a multiple of the FP8 block, 128" in proc.stdout, proc.stdout
 
 
 @pytest.mark.parametrize("ep_size,ep_rank,alignment", [(1, 0, 1), (2, 1, 8), (4, 2, 16)])

@@ -180,9 +180,17 @@ class _MoEBase(torch.nn.Module):
 
     def shared(self, x: Tensor) -> Optional[Tensor]:
         """The shared expert's output for ``x``, ``None`` without one."""
+        return self._shared_down(self._shared_gate_up(x))
+
+    def _shared_gate_up(self, x: Tensor) -> Optional[Tensor]:
+        """The shared expert's first half, ``silu(x @ gate) * (x @ up)``; ``None`` without one."""
         if not self.config.shared_ffn:
             return None
-        return (F.silu(x @ self.shared_gate) * (x @ self.shared_up)) @ self.shared_down
+        return F.silu(x @ self.shared_gate) * (x @ self.shared_up)
+
+    def _shared_down(self, h: Optional[Tensor]) -> Optional[Tensor]:
+        """The shared expert's second half, ``h @ down``; ``None`` without one."""
+        return None if h is None else h @ self.shared_down
 
     def _with_shared(self, y: Tensor, x: Tensor) -> Tensor:
         shared = self.shared(x)
@@ -325,8 +333,10 @@ class TeEpMoEBlock(_MoEBase):
             (:func:`~te_ep_torch.ep_dispatch_fp8`) and dequantizes the received rows
             before the experts; ``None`` dispatches in ``config.dtype``.
         overlap: dispatch and combine on the communication stream
-            (:mod:`te_ep_torch.overlap`), the shared expert on the current stream
-            meanwhile; as ``te_ep_torch.moe.MoE(overlap=True)``.
+            (:mod:`te_ep_torch.overlap`), and on the current stream meanwhile the shared
+            expert's gate/up projections (behind the dispatch) and its down projection
+            (behind the combine); as ``te_ep_torch.moe.MoE(overlap=True)``. The same ops in
+            the same order either way.
     """
 
     def __init__(
@@ -362,17 +372,14 @@ class TeEpMoEBlock(_MoEBase):
                 return ep_dispatch_fp8(self.handle, x, topk_idx, topk_weights)
             return ep_dispatch(self.handle, x, topk_idx, topk_weights)
 
-        if comm is None:
-            out, shared = dispatch(), None
-        else:
-            out, shared = overlapped(comm, dispatch, (x, topk_idx, topk_weights), lambda: self.shared(x))
+        # comm None (no overlap): the same calls, run in place (te_ep_torch.overlap.overlapped).
+        out, hidden = overlapped(comm, dispatch, (x, topk_idx, topk_weights), lambda: self._shared_gate_up(x))
         rows = out.dequantize() if self.fp8 else out.tokens
         y = self._zone_experts(rows, out.expert_counts)
         # Padding rows have weight 0; rows after the last zone are never read by combine.
         y = y * out.weights[:, None].to(y.dtype)
-        if comm is None:
-            return self._with_shared(ep_combine(self.handle, y, x.shape[0]), x)
-        combined, _ = overlapped(comm, lambda: ep_combine(self.handle, y, x.shape[0]), (y,))
+        combined, shared = overlapped(comm, lambda: ep_combine(self.handle, y, x.shape[0]), (y,),
+                                      lambda: self._shared_down(hidden))
         return combined if shared is None else combined + shared
 
 
