@@ -16,6 +16,7 @@
 #if TE_EP_WITH_CUDA && TE_EP_WITH_NCCL_EP
 
 #include <ATen/cuda/CUDAContext.h>
+#include <cuda.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
@@ -891,32 +892,61 @@ bool env_flag(const char* name) {
   return value != nullptr && std::string(value) == "1";
 }
 
+// "" if `ptr` is CUDA VMM (cuMem) memory, the kind symmetric windows are made of; else why
+// not. Asked through the driver API (cuMemRetainAllocationHandle succeeds only on VMM
+// memory), fetched from the runtime so that nothing links libcuda.
+std::string not_vmm_memory(void* ptr) {
+  using Retain = CUresult (*)(CUmemGenericAllocationHandle*, void*);
+  using Release = CUresult (*)(CUmemGenericAllocationHandle);
+  void* retain = nullptr;
+  void* release = nullptr;
+  cudaDriverEntryPointQueryResult found_retain{}, found_release{};
+  if (cudaGetDriverEntryPointByVersion("cuMemRetainAllocationHandle", &retain, 12000, cudaEnableDefault,
+                                       &found_retain) != cudaSuccess ||
+      cudaGetDriverEntryPointByVersion("cuMemRelease", &release, 12000, cudaEnableDefault, &found_release) !=
+          cudaSuccess ||
+      found_retain != cudaDriverEntryPointSuccess || found_release != cudaDriverEntryPointSuccess) {
+    (void)cudaGetLastError();
+    return "the CUDA driver does not offer cuMemRetainAllocationHandle (no CUDA VMM)";
+  }
+  CUmemGenericAllocationHandle handle{};
+  if (reinterpret_cast<Retain>(retain)(&handle, ptr) != CUDA_SUCCESS) {
+    return "ncclMemAlloc returned memory that is not CUDA VMM (cuMem) memory, as NCCL does with "
+           "NCCL_CUMEM_ENABLE=0 or where the driver lacks cuMem";
+  }
+  reinterpret_cast<Release>(release)(handle);
+  return "";
+}
+
 // Whether this process can allocate window memory ("" if so, else why).
-// Probed once: ncclMemAlloc needs CUDA VMM (cuMem) support, which some
-// drivers, containers and NCCL_CUMEM_ENABLE=0 take away.
+// Probed once: windows need CUDA VMM (cuMem) memory from ncclMemAlloc, which some
+// drivers, containers and NCCL_CUMEM_ENABLE=0 take away (ncclMemAlloc then falls back to
+// cudaMalloc, and NCCL EP's zero-copy group creation fails with "invalid usage").
 std::string window_memory_unavailable() {
   static const std::string reason = [] {
     void* ptr = nullptr;
     const ncclResult_t result = ne::api().MemAlloc(&ptr, 1 << 21);
     if (result != ncclSuccess) return std::string("ncclMemAlloc failed: ") + ne::api().GetErrorString(result);
+    std::string why = not_vmm_memory(ptr);
     ne::api().MemFree(ptr);
-    return std::string();
+    return why;
   }();
   return reason;
 }
 
-// Collective (create_handle is): every rank picks the same mode.
+// Collective (create_handle is): every rank picks the same mode, or every rank raises.
+// NCCL EP runs on NCCL's device API in both modes, and that needs CUDA VMM (cuMem) memory:
+// where a rank has none (NCCL_CUMEM_ENABLE=0, a driver or container without cuMem) NCCL EP's
+// group creation fails with "invalid usage" even staged, so every rank raises here instead,
+// saying why. Where every rank has it, windows can be made: `auto` runs zero-copy.
 std::pair<bool, std::string> choose_zero_copy(const HandleConfig& cfg) {
-  if (cfg.nccl_ep_mode == "staged") return {false, "nccl_ep_mode='staged' was requested"};
   const auto messages = allgather_messages(cfg.group_name, cfg.device, window_memory_unavailable());
   for (size_t r = 0; r < messages.size(); ++r) {
-    if (messages[r].empty()) continue;
-    std::ostringstream why;
-    why << "symmetric windows are unavailable on rank " << r << " (" << messages[r] << ")";
-    TORCH_CHECK(cfg.nccl_ep_mode != "zero_copy", "te_ep.create_handle: nccl_ep_mode='zero_copy' needs NCCL "
-                "symmetric windows, but ", why.str(), "; use nccl_ep_mode='staged' or 'auto'");
-    return {false, why.str() + "; runs staged"};
+    TORCH_CHECK(messages[r].empty(), "te_ep.create_handle: backend 'nccl_ep' cannot run on rank ", r, ": ",
+                messages[r], ". NCCL EP needs NCCL's device API in every mode (staged too), and that needs CUDA "
+                "VMM (cuMem) memory; use backend='reference', or leave NCCL_CUMEM_ENABLE unset");
   }
+  if (cfg.nccl_ep_mode == "staged") return {false, "nccl_ep_mode='staged' was requested"};
   return {true, cfg.nccl_ep_mode == "zero_copy" ? "nccl_ep_mode='zero_copy' was requested"
                                                 : "symmetric windows are available on every rank"};
 }

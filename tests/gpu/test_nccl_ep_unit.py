@@ -187,3 +187,40 @@ def test_num_experts_must_be_a_multiple_of_4(world_of_one):
     _nccl_ep.load()
     with pytest.raises(RuntimeError, match=r"num_experts to be a multiple of 4.*got num_experts=6"):
         _create(world_of_one, num_experts=6)
+
+
+_NO_VMM_SCRIPT = """
+import torch, torch.distributed as dist, te_ep_torch as te
+dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
+for mode in ("staged", "auto", "zero_copy"):
+    g = te.EpGroup(num_experts=8, max_tokens_per_rank=64, backend="nccl_ep", nccl_ep_mode=mode)
+    try:
+        g.create_handle(top_k=2, hidden=64, dtype=torch.bfloat16)
+        print(mode.upper(), "created", flush=True)
+    except RuntimeError as e:
+        print(mode.upper(), "raised |", str(e).splitlines()[0], flush=True)
+    g.shutdown()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.gpu
+@needs_nccl_ep
+def test_no_vmm_memory_is_a_clear_error_in_every_mode():
+    """With NCCL_CUMEM_ENABLE=0, ncclMemAlloc hands out cudaMalloc memory and NCCL's device API,
+    which NCCL EP needs in both modes, is off: NCCL EP's group creation fails with "invalid
+    usage" even staged. create_handle raises instead, in every mode, saying why (measured on
+    one H200 with NCCL 2.30.7 and NCCL EP 0.2.0). A fresh process: the probe runs once per process."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NCCL_CUMEM_ENABLE="0", NCCL_NVLS_ENABLE="0")
+    out = subprocess.run([sys.executable, "-c", _NO_VMM_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = {line.split(" ", 1)[0]: line for line in out.stdout.splitlines()
+             if line.startswith(("STAGED", "AUTO", "ZERO_COPY"))}
+    for mode in ("STAGED", "AUTO", "ZERO_COPY"):
+        line = lines.get(mode, "")
+        assert "raised | te_ep.create_handle: backend 'nccl_ep' cannot run on rank 0" in line, out.stdout + out.stderr
+        assert "not CUDA VMM" in line and "backend='reference'" in line, line
