@@ -88,7 +88,42 @@ def case_opcheck(ctx, which: int) -> None:
         opcheck(ops.combine.default, (recv, h.handle_mem, gname, h.id, T))
         opcheck(ops.dispatch_bwd.default, (recv, recv_w, h.handle_mem, gname, h.id, T, st.top_k))
         opcheck(ops.combine_bwd.default, (x, h.handle_mem, gname, h.id, cap))
+        _opcheck_dispatch_fp8(ctx, st, group, idx, w)
         group.shutdown()
+
+
+# FP8 dispatch scales blocks of 128 values; nccl_ep takes FP8 rows of a multiple of 512.
+FP8_OPCHECK_HIDDEN = 512
+# opcheck's test_schema compares the float8 input before and after the call with
+# torch.allclose, which torch 2.11 lacks for Float8_e4m3fn on CPU ("mul_cpu_reduced_float");
+# _opcheck_dispatch_fp8 checks what it would (inputs unchanged, no output aliasing an input).
+_FP8_OPCHECK_UTILS = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+
+
+def _opcheck_dispatch_fp8(ctx, st: Step, group, idx: torch.Tensor, w: torch.Tensor) -> None:
+    """opcheck of te_ep.dispatch_fp8 on an FP8 handle of ``group`` with the step's routing."""
+    from torch.library import opcheck
+
+    r, dev, ops = ctx.rank, torch.device(ctx.device), torch.ops.te_ep
+    where = f"rank {r} {st} dispatch_fp8"
+    h = group.create_handle(top_k=st.top_k, hidden=FP8_OPCHECK_HIDDEN, dtype=st.torch_dtype(),
+                            alignment=st.alignment, dispatch_dtype=torch.float8_e4m3fn)
+    T, cap, gname = st.num_tokens(r), h.config.capacity, group.group_name
+    q, s = te.quantize_fp8(fingerprint(r, T, FP8_OPCHECK_HIDDEN, st.torch_dtype()).to(dev))
+    ops.prepare(idx, h.handle_mem, gname, h.id, group.num_local_experts)
+    args = (q, s, w, h.handle_mem, gname, h.id, cap)
+    before = [t.clone() for t in (q.view(torch.uint8), s, w)]
+    opcheck(ops.dispatch_fp8.default, args, test_utils=_FP8_OPCHECK_UTILS)
+    recv_v, recv_s, recv_w = ops.dispatch_fp8(*args)
+    for name, t, old in zip(("values", "scales", "topk_weights"), (q.view(torch.uint8), s, w), before):
+        check_equal(f"{name} after the call (inputs are not mutable)", t, old, where)
+    inputs = {t.untyped_storage().data_ptr() for t in (q, s, w, h.handle_mem) if t.numel()}
+    for name, t in (("recv_values", recv_v), ("recv_scales", recv_s), ("recv_weights", recv_w)):
+        if t.numel() and t.untyped_storage().data_ptr() in inputs:
+            raise AssertionError(f"{where}: {name} aliases an input; the schema declares no alias")
+    # combine of the dequantized rows on the FP8 handle (combine stays in the tokens' dtype)
+    rows = te.dequantize_fp8(recv_v, recv_s, st.torch_dtype())
+    opcheck(ops.combine.default, (rows, h.handle_mem, gname, h.id, T))
 
 
 # ---------------------------------------------------------------------------
@@ -134,9 +169,22 @@ def case_backend_agreement(ctx, steps: Sequence[Step]) -> None:
 # ---------------------------------------------------------------------------
 # CUDA graphs (GPU backends that never sync the host)
 # ---------------------------------------------------------------------------
-def case_cuda_graph(ctx) -> None:
+def case_cuda_graph(ctx, fp8: bool = True) -> None:
     """prepare + dispatch + per-expert linear + combine captured once in a CUDA graph;
-    replays on fresh tokens and routing (copied into the captured inputs) equal eager."""
+    replays on fresh tokens and routing (copied into the captured inputs) equal eager.
+    Then, with ``fp8``, the same with FP8 dispatch (case_cuda_graph_fp8)."""
+    _require_cuda(ctx, "cuda_graph")
+    _cuda_graph_bf16(ctx)
+    if fp8:
+        case_cuda_graph_fp8(ctx)
+
+
+def _require_cuda(ctx, case: str) -> None:
+    if torch.device(ctx.device).type != "cuda":
+        raise RuntimeError(f"case {case} captures CUDA graphs: it needs a CUDA device, got {ctx.device!r}")
+
+
+def _cuda_graph_bf16(ctx) -> None:
     import te_ep_torch as te
 
     dev = torch.device(ctx.device)
@@ -188,3 +236,89 @@ def case_cuda_graph(ctx) -> None:
     del graph, static_out
     group.shutdown()
 
+
+def _zone_rows_sorted(values: torch.Tensor, scales: torch.Tensor, weights: torch.Tensor,
+                      counts: torch.Tensor) -> torch.Tensor:
+    """Each receive row as its bytes (values, scales, weight), rows sorted within each zone:
+    backends other than reference may order a zone differently from one call to the next."""
+    rows = torch.cat([values.view(torch.uint8), scales.view(torch.uint8), weights[:, None].view(torch.uint8)], 1)
+    rows = rows.cpu()
+    out, off = [], 0
+    for c in [*counts.tolist(), rows.shape[0] - int(counts.sum())]:  # the zones, then the rows past the last
+        out += sorted(row.tobytes() for row in rows[off : off + c].numpy())
+        off += c
+    if not out:
+        return rows
+    return torch.frombuffer(bytearray(b"".join(out)), dtype=torch.uint8).reshape(rows.shape)
+
+
+def case_cuda_graph_fp8(ctx) -> None:
+    """case_cuda_graph with FP8 dispatch: prepare + ep_dispatch_fp8 (quantize included) +
+    dequantize + a per-expert diagonal linear + combine captured once in a CUDA graph; each
+    replay on fresh tokens and routing (copied into the captured inputs) equals eager on the
+    same inputs bit for bit: counts, total, the received values, scales and weights (as
+    bytes, each zone as a set of rows) and the combine output. Bitwise holds because every
+    step between dispatch and combine is elementwise (no GEMM whose algorithm could differ),
+    and a token's output sums at most top_k = 2 terms, a sum no order of arrival changes."""
+    import te_ep_torch as te
+
+    _require_cuda(ctx, "cuda_graph_fp8")
+    dev = torch.device(ctx.device)
+    T, H, K = 96, 512, 2  # H: FP8 rows on nccl_ep are a multiple of 512
+    group = te.EpGroup(num_experts=4 * ctx.world_size, max_tokens_per_rank=T, backend=ctx.backend)
+    handle = group.create_handle(top_k=K, hidden=H, dtype=torch.bfloat16, alignment=16,
+                                 dispatch_dtype=torch.float8_e4m3fn)
+    gen = torch.Generator().manual_seed(8)
+    diag = (torch.rand(group.num_experts, H, generator=gen) + 0.5).to(dev, torch.bfloat16)
+    diag = diag[ctx.rank * group.num_local_experts:(ctx.rank + 1) * group.num_local_experts]
+
+    def step(x, idx, w):
+        out = te.ep_dispatch_fp8(handle, x, idx, w)
+        tokens = out.dequantize()
+        rows = torch.arange(tokens.shape[0], device=dev)
+        expert = torch.bucketize(rows, out.expert_counts.cumsum(0), right=True).clamp(max=diag.shape[0] - 1)
+        y = tokens * diag[expert] * out.weights[:, None].to(torch.bfloat16)
+        return te.ep_combine(handle, y, x.shape[0]), out.values, out.scales, out.weights, out.expert_counts, out.total
+
+    def inputs(seed):
+        g = torch.Generator().manual_seed(1000 * seed + ctx.rank)
+        # magnitudes spread over binades, so the blocks get different scales
+        x = torch.randn(T, H, generator=g) * torch.exp2(torch.randint(-6, 7, (T, H // 128, 1), generator=g)
+                                                        .float()).repeat_interleave(128, 1).reshape(T, H)
+        idx = torch.rand(T, group.num_experts, generator=g).topk(K, dim=1).indices
+        idx[torch.rand(T, K, generator=g) < 0.1] = -1
+        w = torch.rand(T, K, generator=g)
+        return x.to(dev, torch.bfloat16), idx.to(dev), w.to(dev)
+
+    static = inputs(0)
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step(*static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = step(*static)
+        for seed in (1, 2, 3):
+            fresh = inputs(seed)
+            for dst, src in zip(static, fresh):
+                dst.copy_(src)
+            graph.replay()
+            replayed = [t.clone() for t in static_out]
+            eager = step(*fresh)
+            torch.cuda.synchronize()
+            where = f"rank {ctx.rank} replay {seed} vs eager"
+            y_g, v_g, s_g, w_g, c_g, n_g = replayed
+            y_e, v_e, s_e, w_e, c_e, n_e = eager
+            check_equal("expert_counts", c_g, c_e, where)
+            check_equal("total", n_g, n_e, where)
+            check_equal("received rows (values, scales, weights as bytes; zones as sets)",
+                        _zone_rows_sorted(v_g, s_g, w_g, c_g), _zone_rows_sorted(v_e, s_e, w_e, c_e), where)
+            check_equal("combine output (bits)", y_g.view(torch.int16), y_e.view(torch.int16), where)
+            if not bool(y_e.abs().gt(0).any()):
+                raise AssertionError(f"{where}: the combine output is all zero, the comparison would prove nothing")
+    # A captured graph holds NCCL resources of the group: destroy it before shutdown.
+    del graph, static_out
+    group.shutdown()
