@@ -169,6 +169,35 @@ def case_backend_agreement(ctx, steps: Sequence[Step]) -> None:
 # ---------------------------------------------------------------------------
 # CUDA graphs (GPU backends that never sync the host)
 # ---------------------------------------------------------------------------
+def _capture_and_replay(step, inputs, compare) -> None:
+    """Warms ``step`` up on a side stream, captures ``step(*inputs(0))`` in a CUDA graph, then
+    for seeds 1-3 copies ``inputs(seed)`` into the captured inputs, replays, runs ``step``
+    eagerly on the same inputs and calls ``compare(seed, replayed, eager)`` (``replayed``: a
+    clone of the graph's outputs, a tensor or a tuple of tensors). The graph is destroyed
+    before returning: it holds NCCL resources that the group's shutdown frees."""
+    static = inputs(0)
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step(*static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = step(*static)
+        for seed in (1, 2, 3):
+            fresh = inputs(seed)
+            for dst, src in zip(static, fresh):
+                dst.copy_(src)
+            graph.replay()
+            replayed = static_out.clone() if isinstance(static_out, torch.Tensor) else [t.clone() for t in static_out]
+            eager = step(*fresh)
+            torch.cuda.synchronize()
+            compare(seed, replayed, eager)
+    del graph, static_out
+
+
 def case_cuda_graph(ctx, fp8: bool = True) -> None:
     """prepare + dispatch + per-expert linear + combine captured once in a CUDA graph;
     replays on fresh tokens and routing (copied into the captured inputs) equal eager.
@@ -210,30 +239,12 @@ def _cuda_graph_bf16(ctx) -> None:
         w = torch.rand(T, K, generator=g).to(dev)
         return x, idx.to(dev), w
 
-    static = inputs(0)
-    with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step(*static)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = step(*static)
-        for seed in (1, 2, 3):
-            fresh = inputs(seed)
-            for dst, src in zip(static, fresh):
-                dst.copy_(src)
-            graph.replay()
-            replayed = static_out.clone()
-            eager = step(*fresh)
-            torch.cuda.synchronize()
-            assert torch.allclose(replayed.float(), eager.float(), rtol=2e-2, atol=2e-2), (
-                f"replay {seed}: max |graph - eager| = {(replayed.float() - eager.float()).abs().max().item()}"
-            )
-    # A captured graph holds NCCL resources of the group: destroy it before shutdown.
-    del graph, static_out
+    def compare(seed, replayed, eager):
+        assert torch.allclose(replayed.float(), eager.float(), rtol=2e-2, atol=2e-2), (
+            f"replay {seed}: max |graph - eager| = {(replayed.float() - eager.float()).abs().max().item()}"
+        )
+
+    _capture_and_replay(step, inputs, compare)
     group.shutdown()
 
 
@@ -290,35 +301,17 @@ def case_cuda_graph_fp8(ctx) -> None:
         w = torch.rand(T, K, generator=g)
         return x.to(dev, torch.bfloat16), idx.to(dev), w.to(dev)
 
-    static = inputs(0)
-    with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step(*static)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = step(*static)
-        for seed in (1, 2, 3):
-            fresh = inputs(seed)
-            for dst, src in zip(static, fresh):
-                dst.copy_(src)
-            graph.replay()
-            replayed = [t.clone() for t in static_out]
-            eager = step(*fresh)
-            torch.cuda.synchronize()
-            where = f"rank {ctx.rank} replay {seed} vs eager"
-            y_g, v_g, s_g, w_g, c_g, n_g = replayed
-            y_e, v_e, s_e, w_e, c_e, n_e = eager
-            check_equal("expert_counts", c_g, c_e, where)
-            check_equal("total", n_g, n_e, where)
-            check_equal("received rows (values, scales, weights as bytes; zones as sets)",
-                        _zone_rows_sorted(v_g, s_g, w_g, c_g), _zone_rows_sorted(v_e, s_e, w_e, c_e), where)
-            check_equal("combine output (bits)", y_g.view(torch.int16), y_e.view(torch.int16), where)
-            if not bool(y_e.abs().gt(0).any()):
-                raise AssertionError(f"{where}: the combine output is all zero, the comparison would prove nothing")
-    # A captured graph holds NCCL resources of the group: destroy it before shutdown.
-    del graph, static_out
+    def compare(seed, replayed, eager):
+        where = f"rank {ctx.rank} replay {seed} vs eager"
+        y_g, v_g, s_g, w_g, c_g, n_g = replayed
+        y_e, v_e, s_e, w_e, c_e, n_e = eager
+        check_equal("expert_counts", c_g, c_e, where)
+        check_equal("total", n_g, n_e, where)
+        check_equal("received rows (values, scales, weights as bytes; zones as sets)",
+                    _zone_rows_sorted(v_g, s_g, w_g, c_g), _zone_rows_sorted(v_e, s_e, w_e, c_e), where)
+        check_equal("combine output (bits)", y_g.view(torch.int16), y_e.view(torch.int16), where)
+        if not bool(y_e.abs().gt(0).any()):
+            raise AssertionError(f"{where}: the combine output is all zero, the comparison would prove nothing")
+
+    _capture_and_replay(step, inputs, compare)
     group.shutdown()

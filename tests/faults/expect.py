@@ -96,6 +96,15 @@ def _stuck(result: CaseResult) -> dict:
             for rec in result.ranks if rec.hung}
 
 
+def _undeclared_hang(result: CaseResult, hanging: set) -> Tuple[dict, Optional[str]]:
+    """(the ranks that hung, with where; a problem line if any of them is not in `hanging`)."""
+    stuck = _stuck(result)
+    if not set(stuck) - hanging:
+        return stuck, None
+    return stuck, (f"hang: ranks {sorted(set(stuck) - hanging)} were still running at the wall-clock limit "
+                   f"(killed), in " + ", ".join(f"rank {r}: {stage}" for r, stage in sorted(stuck.items())))
+
+
 def undeclared_failures(result: CaseResult, expect: Expect) -> List[str]:
     """The hangs and the outputs of `result` that `expect` does not declare. These fail a case
     whatever is declared for its variant, and where nothing is (the judge's "measured")."""
@@ -104,10 +113,9 @@ def undeclared_failures(result: CaseResult, expect: Expect) -> List[str]:
     W, faulty = result.world_size, result.faulty
     problems = []
     hanging = rank_set(expect.hanging, W, faulty)
-    stuck = _stuck(result)
-    if set(stuck) - hanging:
-        problems.append(f"hang: ranks {sorted(set(stuck) - hanging)} were still running at the wall-clock limit "
-                        f"(killed), in " + ", ".join(f"rank {r}: {stage}" for r, stage in sorted(stuck.items())))
+    _, hang = _undeclared_hang(result, hanging)
+    if hang:
+        problems.append(hang)
     wrong = rank_set(expect.wrong, W, faulty)
     maybe_wrong = rank_set(expect.maybe_wrong, W, faulty)
     for rec in result.ranks:
@@ -124,10 +132,9 @@ def evaluate(result: CaseResult, expect: Expect, fmt: dict) -> List[str]:
         return [f"start-up failed: {result.startup_error}"]
     problems = []
     hanging = rank_set(expect.hanging, W, faulty)
-    stuck = _stuck(result)
-    if set(stuck) - hanging:
-        problems.append(f"hang: ranks {sorted(set(stuck) - hanging)} were still running at the wall-clock limit "
-                        f"(killed), in " + ", ".join(f"rank {r}: {stage}" for r, stage in sorted(stuck.items())))
+    stuck, hang = _undeclared_hang(result, hanging)
+    if hang:
+        problems.append(hang)
     elif hanging - set(stuck):
         problems.append(f"expected ranks {sorted(hanging)} to hang, the case finished")
     raising = rank_set(expect.raising, W, faulty)
