@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import logging
 import math
 import os
 import sys
@@ -355,4 +356,16 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything is shut down (EP groups, process groups) and written by now. Leave without
+    # Python's finalization: a gloo worker thread may still be releasing a finished
+    # collective's work, whose tensors need the GIL to be freed, and a thread that asks for the
+    # GIL while the interpreter finalizes aborts the process ("terminate called without an
+    # active exception", SIGABRT), which torchrun would report as a failed job. Seen about once
+    # in five 4-rank CPU runs with --fp8-dispatch (core dump: ProcessGroupGloo::runLoop ->
+    # ~AsyncBarrierWork -> ~AsyncAllreduceWork -> TensorImpl::decref_pyobject -> take_gil ->
+    # pthread_exit). An exception from main() still takes the normal path, with its traceback.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
