@@ -9,6 +9,8 @@ optionally applies FSDP2 on TorchTitan's meshes (the routed experts on ``efsdp``
 TorchTitan shards them, the router on ``fsdp``) and torch.compile to our layer, runs forward and
 backward on the same per-rank batch and returns the largest differences of the output,
 the input gradient, the router gate gradient and every expert weight gradient.
+``case_compiled_fsdp_blocks`` does the same for two MoE blocks wrapped as TorchTitan
+wraps them (EP sharding, its ``apply_compile``, FSDP2 per block) over two train steps.
 
 The bodies take a ``Ctx`` (tests/_dist.py) and run on CPU/gloo in the worker pools, or
 on CUDA/NCCL when this file is launched with torchrun (``python -m torch.distributed.run
@@ -19,6 +21,7 @@ test does.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import sys
@@ -39,6 +42,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E4
 from torchtitan.distributed.parallel_dims import ParallelDims  # noqa: E402
 from torchtitan.distributed.utils import get_spmd_backend, set_spmd_backend  # noqa: E402
 from torchtitan.models.common.linear import Linear  # noqa: E402
+from torchtitan.models.common.nn_modules import RMSNorm  # noqa: E402
 from torchtitan.models.common.moe import (  # noqa: E402
     MoE,
     GroupedExperts,
@@ -47,6 +51,7 @@ from torchtitan.models.common.moe import (  # noqa: E402
 )
 from torchtitan.models.common.moe_sharding import set_moe_sharding_config  # noqa: E402
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher  # noqa: E402
+from torchtitan.protocols.module import Module, ModuleDict  # noqa: E402
 
 import te_ep_torch  # noqa: E402,F401
 from te_ep_torch.integrations.torchtitan import TeEpTokenDispatcher, te_ep_dispatcher  # noqa: E402
@@ -103,8 +108,7 @@ def _bias(scenario: str, ep: int) -> torch.Tensor:
     return bias
 
 
-def _build(ctx, pd: ParallelDims, dispatcher_cfg, *, dtype: torch.dtype, bias: torch.Tensor, fsdp: bool,
-           dim: int = DIM) -> MoE:
+def _moe_config(dispatcher_cfg, dim: int = DIM) -> MoE.Config:
     cfg = MoE.Config(
         num_experts=NUM_EXPERTS,
         routed_experts=RoutedExperts.Config(
@@ -123,6 +127,12 @@ def _build(ctx, pd: ParallelDims, dispatcher_cfg, *, dtype: torch.dtype, bias: t
         cfg, enable_ep=True, enable_sp=False,
         expert_param_layout={"w1_EFD": spmd.S(1), "w2_EDF": spmd.S(2), "w3_EFD": spmd.S(1)},
     )
+    return cfg
+
+
+def _build(ctx, pd: ParallelDims, dispatcher_cfg, *, dtype: torch.dtype, bias: torch.Tensor, fsdp: bool,
+           dim: int = DIM) -> MoE:
+    cfg = _moe_config(dispatcher_cfg, dim)
     device = torch.device(ctx.device)
     with torch.device(device):
         moe = cfg.build()
@@ -257,6 +267,250 @@ def case_parity(
     counts = _global_expert_counts(ref, x, ref_pd, ref_pd.get_mesh("ep").get_group())
     handle = repr(next(iter(dispatcher._handles.values())))
     return {"diffs": diffs, "counts": counts, "handle": handle, "ep": ep}
+
+
+# ---- TorchTitan's own per-block torch.compile + FSDP2 ------------------------------------
+
+
+class _MoEBlock(Module):
+    """The MoE half of a TorchTitan transformer block: ``x + moe(ffn_norm(x))``.
+
+    Attention is left out: TorchTitan's language-model attention backends (flex, varlen)
+    need inductor or CUDA, which would make the CPU test slow without testing anything of
+    the dispatcher. What TorchTitan's compile and FSDP code reads of a block is here:
+    ``moe_enabled``, ``moe.routed_experts.inner_experts`` and the parameters.
+    """
+
+    moe_enabled = True
+
+    def __init__(self, moe: MoE, norm: RMSNorm):
+        super().__init__()
+        self.ffn_norm = norm
+        self.moe = moe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.moe(self.ffn_norm(x))
+
+
+class _MoEDecoder(Module):
+    """What TorchTitan's ``apply_compile`` and FSDP code use of a ``Decoder``: ``layers`` (no embedding,
+    final norm or head)."""
+
+    enable_weight_tying = False
+
+    def __init__(self, blocks):
+        super().__init__()
+        self.layers = ModuleDict({str(i): block for i, block in enumerate(blocks)})
+        self.tok_embeddings = self.norm = self.lm_head = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.layers.values():
+            x = block(x)
+        return x
+
+
+def _apply_fsdp_like_torchtitan(model: _MoEDecoder, pd: ParallelDims, dtype: torch.dtype, experts: str) -> None:
+    """FSDP2 with the layout of TorchTitan 0.3.0's ``apply_fsdp_to_decoder``, on torch 2.11's API.
+
+    TorchTitan 0.3.0's own function cannot be imported on torch 2.11
+    (``torchtitan.distributed.fsdp`` imports ``DataParallelMeshDims``), and its MoE branch
+    puts a block's routed expert weights in the block's FSDP unit on another mesh
+    (``efsdp``, through ``ShardPlacementResult``), which torch 2.11's ``fully_shard`` cannot
+    express. Here, as there: one ``fully_shard`` per block on ``fsdp`` (``Shard(0)``),
+    then the root; ``param_dtype`` / ``reduce_dtype``, ``cast_forward_inputs=False``,
+    ``reshard_after_forward=True`` for the blocks ("default" policy, no PP), gradient
+    division off (factor 1.0; a SUM reduction, as gloo has no PREMUL_SUM), explicit
+    forward/backward prefetching between blocks (EP > 1). The expert weights (``experts``):
+
+    * ``"efsdp_size_1"``: when ``efsdp`` has one rank (EP = world size), TorchTitan's
+      expert sharding on it shards nothing and its reduce-scatter is the identity; the
+      block's unit leaves them out (``ignored_params``): the same placements and math.
+    * ``"nested"``: their own FSDP unit on ``efsdp`` inside the block's (TorchTitan's
+      scheme before per-parameter meshes), for ``efsdp`` > 1.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    blocks = list(model.layers.values())
+    ignored = set()
+    for block in blocks:
+        inner = block.moe.routed_experts.inner_experts
+        if experts == "nested":
+            fully_shard(inner, mesh=pd.get_mesh("efsdp"), mp_policy=mp, reshard_after_forward=True)
+        elif experts == "efsdp_size_1":
+            efsdp = pd.get_mesh("efsdp").size()
+            if efsdp != 1:
+                raise ValueError(f"experts='efsdp_size_1' needs EP = world size (efsdp has {efsdp} ranks)")
+            ignored |= set(inner.parameters())
+        else:
+            raise ValueError(f"unknown experts={experts!r}")
+        fully_shard(block, mesh=pd.get_mesh("fsdp"), mp_policy=mp, reshard_after_forward=True,
+                    ignored_params=ignored or None)
+    fully_shard(model, mesh=pd.get_mesh("fsdp"), mp_policy=mp, ignored_params=ignored or None)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            # Gloo has no PREMUL_SUM (what a factor of 1.0 selects on NCCL): a plain SUM, same result.
+            module.set_force_sum_reduction_for_comms(True)
+    for block, nxt in zip(blocks, blocks[1:]):
+        block.set_modules_to_forward_prefetch([nxt])
+        nxt.set_modules_to_backward_prefetch([block])
+
+
+def _build_wrapped_decoder(ctx, pd: ParallelDims, dispatcher_cfg, *, biases, compile_backend: str,
+                           experts: str) -> _MoEDecoder:
+    """MoE blocks parallelized in the order of TorchTitan's ``parallelize_qwen3`` / ``parallelize_deepseekv3``.
+
+    ``Module.parallelize`` (TorchTitan's EP sharding, the dispatcher wired to the ``ep``
+    mesh), then TorchTitan's ``apply_compile`` (``block.compile(backend, fullgraph=True)``
+    per block, ``capture_scalar_outputs``), then FSDP2 (``_apply_fsdp_like_torchtitan``).
+    float32 parameters and reduction.
+    """
+    from torchtitan.config import CompileConfig
+    from torchtitan.distributed.compile import apply_compile
+
+    with torch.device(torch.device(ctx.device)):
+        blocks = [
+            _MoEBlock(_moe_config(copy.deepcopy(dispatcher_cfg)).build(),
+                      RMSNorm.Config(normalized_shape=DIM, eps=1e-6).build())
+            for _ in biases
+        ]
+    model = _MoEDecoder(blocks)
+    gen = torch.Generator().manual_seed(4321)  # same weights on every rank and for both dispatchers
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.1 * noise if name.endswith("ffn_norm.weight") else noise * p.shape[-1] ** -0.5)
+        for block, bias in zip(blocks, biases):
+            block.moe.expert_bias_E.copy_(bias)
+    with _spmd_backend(pd):
+        model.parallelize(pd)
+    apply_compile(model, compile_config=CompileConfig(enable=True, backend=compile_backend, components=["model"]),
+                  parallel_dims=pd)
+    _apply_fsdp_like_torchtitan(model, pd, torch.float32, experts)
+    return model
+
+
+def _wrapping_of(model: _MoEDecoder) -> dict:
+    """What TorchTitan's wrapping made of the blocks (checked by the test)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    block = model.layers["0"]
+    w1 = block.moe.routed_experts.inner_experts.w1_EFD
+    gate = block.moe.router.gate.weight
+    return {
+        "root_fsdp": isinstance(model, FSDPModule),
+        "blocks_fsdp": all(isinstance(b, FSDPModule) for b in model.layers.values()),
+        "blocks_compiled": all(b._compiled_call_impl is not None for b in model.layers.values()),
+        "expert_mesh": list(w1.device_mesh.mesh_dim_names) if isinstance(w1, DTensor) else None,
+        "expert_placements": [str(pl) for pl in w1.placements] if isinstance(w1, DTensor) else None,
+        "expert_local_rows": w1.to_local().shape[0] if isinstance(w1, DTensor) else None,
+        "gate_mesh": list(gate.device_mesh.mesh_dim_names) if isinstance(gate, DTensor) else None,
+    }
+
+
+def _run_steps(model: _MoEDecoder, pd: ParallelDims, xs, *, lr: float):
+    """Forward, backward and an SGD step per batch; per step: output, input grad, parameter grads."""
+    from torch._dynamo.utils import counters
+
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    steps = []
+    for x in xs:
+        graphs = counters["stats"]["unique_graphs"]
+        y, gx, grads = _step(model, x, pd, model)
+        tokens = []
+        for block in model.layers.values():
+            tokens.append(block.moe.tokens_per_expert_E.detach().clone())
+            block.moe.tokens_per_expert_E.zero_()
+        opt.step()
+        steps.append({"y": y, "gx": gx, "grads": grads, "tokens": tokens,
+                      "new_graphs": counters["stats"]["unique_graphs"] - graphs})
+    return steps
+
+
+def case_compiled_fsdp_blocks(ctx, *, ep: int, experts: str = "efsdp_size_1", compile_backend: str = "aot_eager",
+                              steps: int = 2, num_layers: int = 2):
+    """TorchTitan's per-block ``torch.compile(fullgraph=True)`` + FSDP2 of MoE blocks: ours vs all-to-all.
+
+    ``num_layers`` MoE blocks (layer 0 with the "uneven" routing, where the last EP rank
+    receives no token; the others "random"), wrapped as ``_build_wrapped_decoder`` says,
+    once with TorchTitan's ``AllToAllTokenDispatcher`` (compiled the same way) and once
+    with ours; float32; another batch on every rank and every step, an SGD step (lr 0.05)
+    after each backward, so step 2 runs the compiled blocks on updated, re-gathered
+    weights and new routing.
+
+    Returns ``{"errors": {dispatcher: text}}`` if torch.compile refused a model (the same
+    failure on every rank), else per step the diffs of the output, the input gradient,
+    every parameter's full gradient and each layer's ``tokens_per_expert_E``, the graphs
+    dynamo compiled during the step, the EP-global expert counts of each layer, and what
+    the wrapping made of both models.
+    """
+    import traceback
+
+    import torch._dynamo.config as dynamo_config
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    saved = (dynamo_config.capture_scalar_outputs, dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint,
+             inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache)
+    torch._dynamo.reset()
+    inductor_config.fx_graph_cache = False
+    functorch_config.enable_autograd_cache = False
+    try:
+        pd = _parallel_dims(ctx, ep, "partial_dtensor")
+        biases = [_bias("uneven", ep)] + [_bias("random", ep)] * (num_layers - 1)
+        configs = {
+            "all_to_all": AllToAllTokenDispatcher.Config(num_experts=NUM_EXPERTS, top_k=TOP_K),
+            # Handles are created when the EP mesh is wired, before tracing: the sizes must be known.
+            "te_ep": te_ep_dispatcher(AllToAllTokenDispatcher.Config(num_experts=NUM_EXPERTS, top_k=TOP_K),
+                                      backend="reference" if ctx.device == "cpu" else "auto",
+                                      hidden_dim=DIM, num_max_tokens_per_rank=SEQ, dtype="float32"),
+        }
+        gen = torch.Generator().manual_seed(200 + ctx.rank)  # another batch on every rank and every step
+        xs = [torch.randn(1, SEQ, DIM, generator=gen).to(ctx.device) for _ in range(steps)]
+        runs, wrapping, errors = {}, {}, {}
+        for name, cfg in configs.items():
+            try:
+                model = _build_wrapped_decoder(ctx, pd, cfg, biases=biases, compile_backend=compile_backend,
+                                               experts=experts)
+                if name == "te_ep":
+                    dispatchers = [b.moe.routed_experts.token_dispatcher for b in model.layers.values()]
+                    if not all(isinstance(d, TeEpTokenDispatcher) and d.ep_mesh is not None and d._handles
+                               for d in dispatchers):
+                        raise AssertionError(f"the override did not give EP-wired TeEpTokenDispatchers with "
+                                             f"handles: {dispatchers}")
+                    if len({id(d._handles[torch.float32]) for d in dispatchers}) != num_layers:
+                        raise AssertionError("the MoE layers do not have one te_ep handle each")
+                wrapping[name] = _wrapping_of(model)
+                runs[name] = _run_steps(model, pd, xs, lr=0.05)
+            except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as exc:
+                # torch.compile refused the model (the same on every rank: tracing is deterministic).
+                errors[name] = "".join(traceback.format_exception(exc))[-6000:]
+                torch._dynamo.reset()
+                dist.barrier()
+        if errors:
+            return {"errors": errors}
+
+        ep_group = pd.get_mesh("ep").get_group()
+        out = []
+        for r, o in zip(runs["all_to_all"], runs["te_ep"]):
+            diffs = {"output": _diff(o["y"], r["y"]), "input_grad": _diff(o["gx"], r["gx"])}
+            for name in r["grads"]:
+                diffs[name + ".grad"] = _diff(o["grads"][name], r["grads"][name])
+            counts = []
+            for layer, (t_ref, t_our) in enumerate(zip(r["tokens"], o["tokens"])):
+                diffs[f"layers.{layer}.moe.tokens_per_expert_E"] = _diff(t_our, t_ref)
+                t = t_ref.clone()
+                dist.all_reduce(t, group=ep_group)
+                counts.append([int(c) for c in t.tolist()])
+            out.append({"diffs": diffs, "counts": counts,
+                        "ref_new_graphs": r["new_graphs"], "our_new_graphs": o["new_graphs"]})
+        return {"steps": out, "ep": ep, "wrapping": wrapping, "grad_names": sorted(runs["all_to_all"][0]["grads"])}
+    finally:
+        torch._dynamo.reset()
+        (dynamo_config.capture_scalar_outputs, dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint,
+         inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache) = saved
 
 
 def _main() -> None:
