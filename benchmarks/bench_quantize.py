@@ -231,13 +231,12 @@ def main() -> None:
           f"after {args.warmup} warm-up ({timing}); GB/s = bytes read + written / time", flush=True)
 
     all_rows = []
+    timer = Timer(device, args.warmup, args.iters, args.flush_l2)
     for tokens, hidden in args.shapes:
-        timer = Timer(device, args.warmup, args.iters, args.flush_l2)
         rows = run_shape(tokens, hidden, dtype, dequantize_dtype, timer, device)
         print_table(rows)
         sys.stdout.flush()
         all_rows += rows
-        del timer
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
