@@ -62,42 +62,58 @@ def _check_generation(handle: EpHandle, generation: int, what: str) -> None:
         )
 
 
-def _dispatch_backward(ctx, grad_recv: Tensor, grad_weights: Tensor, what: str) -> Tuple[Tensor, Tensor]:
-    """The backward of a dispatch (bf16 or FP8): ``dispatch_bwd`` of the received rows'
-    gradient in the handle's dtype; ``(grad_tokens, grad_topk_weights)``."""
+def _save_handle(ctx, handle: EpHandle) -> None:
+    """What the backward ops need of the handle. Its memory and (under torch.compile) its
+    key are saved as tensors, so a compiled backward takes them as inputs, like the forward."""
+    ctx.handle = handle
+    ctx.generation = handle.generation
+    ctx.handle_id, key = handle.op_ids()
+    ctx.save_for_backward(handle.handle_mem, key)
+
+
+def _saved_handle(ctx, what: str) -> Tuple[EpHandle, Tensor, int, Optional[Tensor]]:
+    """``(handle, handle_mem, handle_id, handle_key)`` saved by :func:`_save_handle`."""
     handle: EpHandle = ctx.handle
     if not torch.compiler.is_compiling():
         _check_generation(handle, ctx.generation, what)
-    (handle_mem,) = ctx.saved_tensors
+    handle_mem, key = ctx.saved_tensors
+    return handle, handle_mem, ctx.handle_id, key
+
+
+def _dispatch_backward(ctx, grad_recv: Tensor, grad_weights: Tensor, what: str) -> Tuple[Tensor, Tensor]:
+    """The backward of a dispatch (bf16 or FP8): ``dispatch_bwd`` of the received rows'
+    gradient in the handle's dtype; ``(grad_tokens, grad_topk_weights)``."""
+    handle, handle_mem, handle_id, key = _saved_handle(ctx, what)
     return ops.dispatch_bwd(
         grad_recv.to(handle.config.dtype).contiguous(),
         grad_weights.contiguous(),
         handle_mem,
         handle.group.group_name,
-        handle.id,
+        handle_id,
         ctx.num_tokens,
         handle.config.top_k,
+        key,
     )
 
 
 def _dispatch_op(handle: EpHandle, tokens: Tensor, topk_weights: Tensor) -> Tuple[Tensor, Tensor]:
+    handle_id, key = handle.op_ids()
     return ops.dispatch(
-        tokens, topk_weights, handle.handle_mem, handle.group.group_name, handle.id, handle.config.capacity
+        tokens, topk_weights, handle.handle_mem, handle.group.group_name, handle_id, handle.config.capacity, key
     )
 
 
 def _combine_op(handle: EpHandle, expert_out: Tensor, num_tokens: int) -> Tensor:
-    return ops.combine(expert_out, handle.handle_mem, handle.group.group_name, handle.id, num_tokens)
+    handle_id, key = handle.op_ids()
+    return ops.combine(expert_out, handle.handle_mem, handle.group.group_name, handle_id, num_tokens, key)
 
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens: Tensor, topk_weights: Tensor, handle: EpHandle):
         recv, weights = _dispatch_op(handle, tokens, topk_weights)
-        ctx.handle = handle
-        ctx.generation = handle.generation
+        _save_handle(ctx, handle)
         ctx.num_tokens = tokens.shape[0]
-        ctx.save_for_backward(handle.handle_mem)
         return recv, weights
 
     @staticmethod
@@ -110,19 +126,14 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expert_out: Tensor, handle: EpHandle, num_tokens: int):
         out = _combine_op(handle, expert_out, num_tokens)
-        ctx.handle = handle
-        ctx.generation = handle.generation
-        ctx.save_for_backward(handle.handle_mem)
+        _save_handle(ctx, handle)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        handle: EpHandle = ctx.handle
-        if not torch.compiler.is_compiling():
-            _check_generation(handle, ctx.generation, "ep_combine")
-        (handle_mem,) = ctx.saved_tensors
+        handle, handle_mem, handle_id, key = _saved_handle(ctx, "ep_combine")
         grad_expert_out = ops.combine_bwd(
-            grad_out.contiguous(), handle_mem, handle.group.group_name, handle.id, handle.config.capacity
+            grad_out.contiguous(), handle_mem, handle.group.group_name, handle_id, handle.config.capacity, key
         )
         return grad_expert_out, None, None
 
@@ -196,16 +207,15 @@ class _DispatchFp8(torch.autograd.Function):
         if scales is None:
             values, scales = ops.quantize_fp8(tokens, pow2_scales)
         cfg = handle.config
+        handle_id, key = handle.op_ids()
         recv_values, recv_scales, recv_weights = ops.dispatch_fp8(
-            values, scales, topk_weights, handle.handle_mem, handle.group.group_name, handle.id, cfg.capacity
+            values, scales, topk_weights, handle.handle_mem, handle.group.group_name, handle_id, cfg.capacity, key
         )
         sink = recv_weights.new_zeros((), dtype=cfg.dtype).expand(cfg.capacity, cfg.hidden)
         ctx.mark_non_differentiable(recv_values, recv_scales)
         ctx.set_materialize_grads(False)
-        ctx.handle = handle
-        ctx.generation = handle.generation
+        _save_handle(ctx, handle)
         ctx.num_tokens = tokens.shape[0]
-        ctx.save_for_backward(handle.handle_mem)
         return recv_values, recv_scales, recv_weights, sink
 
     @staticmethod
@@ -213,7 +223,7 @@ class _DispatchFp8(torch.autograd.Function):
         if grad_weights is None and grad_rows is None:
             return None, None, None, None, None
         cfg = ctx.handle.config
-        (handle_mem,) = ctx.saved_tensors
+        handle_mem = ctx.saved_tensors[0]
         if grad_rows is None:
             grad_rows = handle_mem.new_zeros((cfg.capacity, cfg.hidden), dtype=cfg.dtype)
         if grad_weights is None:

@@ -435,6 +435,8 @@ class EpHandle:
             config.dispatch_dtype,
             group.timeout_ms,
         )
+        # The id as a CPU tensor, which the ops take under torch.compile (see op_ids).
+        self.key = torch.tensor([self.id], dtype=torch.int64)
         self._generation = 0
         self._alive = True
         self.mode, self.mode_reason, self._window_bytes, self._handle_mem_bytes = ops.handle_info(self.id)
@@ -451,6 +453,18 @@ class EpHandle:
     def generation(self) -> int:
         """How many times the handle was prepared (eagerly); autograd checks it in backward."""
         return self._generation
+
+    def op_ids(self) -> Tuple[int, Optional[Tensor]]:
+        """The ``(handle_id, handle_key)`` arguments of the communication ops.
+
+        Eagerly ``(id, None)``. Under torch.compile ``(-1, key)``: the graph then takes the
+        handle's id as an input tensor rather than a constant it guards on, so one compiled
+        graph serves the MoE layers of every handle alike (docs/ops.md, "Handles under
+        torch.compile"). ``key`` is a CPU int64 tensor holding ``id``; do not modify it.
+        """
+        if torch.compiler.is_compiling():
+            return -1, self.key
+        return self.id, None
 
     def memory(self) -> Dict[str, int]:
         """Device bytes this handle holds for its whole life.
@@ -507,7 +521,9 @@ class EpHandle:
         # backward nodes (made at the older generation) may use.
         if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() == -1:
             self._generation += 1
-        return ops.prepare(topk_idx, self.handle_mem, self.group.group_name, self.id, self.group.num_local_experts)
+        handle_id, key = self.op_ids()
+        return ops.prepare(topk_idx, self.handle_mem, self.group.group_name, handle_id, self.group.num_local_experts,
+                           key)
 
     def destroy(self) -> None:
         """Releases the handle (idempotent)."""

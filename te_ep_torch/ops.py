@@ -117,30 +117,39 @@ def worst_case_capacity(ep_size: int, max_tokens_per_rank: int, top_k: int, num_
 
 
 def prepare(
-    topk_idx: Tensor, handle_mem: Tensor, group_name: str, handle_id: int, num_local_experts: int
+    topk_idx: Tensor, handle_mem: Tensor, group_name: str, handle_id: int, num_local_experts: int,
+    handle_key: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """Exchanges routing; returns ``(expert_counts [E_local] int32, total [1] int32)``."""
-    return torch.ops.te_ep.prepare(topk_idx, handle_mem, group_name, handle_id, num_local_experts)
+    """Exchanges routing; returns ``(expert_counts [E_local] int32, total [1] int32)``.
+
+    ``handle_key`` (every communication op takes it): ``None``, or the handle's
+    :attr:`~te_ep_torch.EpHandle.key` with ``handle_id=-1``, which torch.compile treats as
+    data rather than a constant (docs/ops.md, "Handles under torch.compile").
+    """
+    return torch.ops.te_ep.prepare(topk_idx, handle_mem, group_name, handle_id, num_local_experts, handle_key)
 
 
 def dispatch(
-    tokens: Tensor, topk_weights: Tensor, handle_mem: Tensor, group_name: str, handle_id: int, capacity: int
+    tokens: Tensor, topk_weights: Tensor, handle_mem: Tensor, group_name: str, handle_id: int, capacity: int,
+    handle_key: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Sends tokens to experts; returns ``(recv_tokens [capacity, H], recv_weights [capacity])``."""
-    return torch.ops.te_ep.dispatch(tokens, topk_weights, handle_mem, group_name, handle_id, capacity)
+    return torch.ops.te_ep.dispatch(tokens, topk_weights, handle_mem, group_name, handle_id, capacity, handle_key)
 
 
 def dispatch_fp8(
     values: Tensor, scales: Tensor, topk_weights: Tensor, handle_mem: Tensor, group_name: str, handle_id: int,
-    capacity: int,
+    capacity: int, handle_key: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """FP8 dispatch: ``(recv_values [capacity, H] e4m3, recv_scales [capacity, H / 128] f32, recv_weights)``."""
-    return torch.ops.te_ep.dispatch_fp8(values, scales, topk_weights, handle_mem, group_name, handle_id, capacity)
+    return torch.ops.te_ep.dispatch_fp8(values, scales, topk_weights, handle_mem, group_name, handle_id, capacity,
+                                        handle_key)
 
 
-def combine(expert_out: Tensor, handle_mem: Tensor, group_name: str, handle_id: int, num_tokens: int) -> Tensor:
+def combine(expert_out: Tensor, handle_mem: Tensor, group_name: str, handle_id: int, num_tokens: int,
+            handle_key: Optional[Tensor] = None) -> Tensor:
     """Returns expert outputs to their tokens and sums them: ``[num_tokens, H]``."""
-    return torch.ops.te_ep.combine(expert_out, handle_mem, group_name, handle_id, num_tokens)
+    return torch.ops.te_ep.combine(expert_out, handle_mem, group_name, handle_id, num_tokens, handle_key)
 
 
 def dispatch_bwd(
@@ -151,16 +160,18 @@ def dispatch_bwd(
     handle_id: int,
     num_tokens: int,
     top_k: int,
+    handle_key: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Backward of dispatch: ``(grad_tokens [T, H], grad_topk_weights [T, K])``."""
     return torch.ops.te_ep.dispatch_bwd(
-        grad_recv_tokens, grad_recv_weights, handle_mem, group_name, handle_id, num_tokens, top_k
+        grad_recv_tokens, grad_recv_weights, handle_mem, group_name, handle_id, num_tokens, top_k, handle_key
     )
 
 
-def combine_bwd(grad_out: Tensor, handle_mem: Tensor, group_name: str, handle_id: int, capacity: int) -> Tensor:
+def combine_bwd(grad_out: Tensor, handle_mem: Tensor, group_name: str, handle_id: int, capacity: int,
+                handle_key: Optional[Tensor] = None) -> Tensor:
     """Backward of combine: ``[capacity, H]``, each slot receiving its token's gradient."""
-    return torch.ops.te_ep.combine_bwd(grad_out, handle_mem, group_name, handle_id, capacity)
+    return torch.ops.te_ep.combine_bwd(grad_out, handle_mem, group_name, handle_id, capacity, handle_key)
 
 
 def quantize_fp8(x: Tensor, pow2_scales: bool = False) -> Tuple[Tensor, Tensor]:
@@ -197,10 +208,10 @@ def _real_kernel(op, handle_mem: Tensor, *args):
 
 
 @torch.library.register_fake("te_ep::prepare")
-def _prepare_fake(topk_idx, handle_mem, group_name, handle_id, num_local_experts):
+def _prepare_fake(topk_idx, handle_mem, group_name, handle_id, num_local_experts, handle_key=None):
     if _misrouted(handle_mem):
         return _real_kernel(torch.ops.te_ep.prepare, handle_mem, topk_idx, handle_mem, group_name, handle_id,
-                            num_local_experts)
+                            num_local_experts, handle_key)
     torch._check(topk_idx.dim() == 2, lambda: f"te_ep.prepare: topk_idx must be 2-D, got {topk_idx.dim()}-D")
     counts = handle_mem.new_empty((num_local_experts,), dtype=torch.int32)
     total = handle_mem.new_empty((1,), dtype=torch.int32)
@@ -208,10 +219,10 @@ def _prepare_fake(topk_idx, handle_mem, group_name, handle_id, num_local_experts
 
 
 @torch.library.register_fake("te_ep::dispatch")
-def _dispatch_fake(tokens, topk_weights, handle_mem, group_name, handle_id, capacity):
+def _dispatch_fake(tokens, topk_weights, handle_mem, group_name, handle_id, capacity, handle_key=None):
     if _misrouted(handle_mem):
         return _real_kernel(torch.ops.te_ep.dispatch, handle_mem, tokens, topk_weights, handle_mem, group_name,
-                            handle_id, capacity)
+                            handle_id, capacity, handle_key)
     torch._check(tokens.dim() == 2, lambda: f"te_ep.dispatch: tokens must be 2-D, got {tokens.dim()}-D")
     torch._check(
         topk_weights.dtype == torch.float32,
@@ -223,10 +234,10 @@ def _dispatch_fake(tokens, topk_weights, handle_mem, group_name, handle_id, capa
 
 
 @torch.library.register_fake("te_ep::dispatch_fp8")
-def _dispatch_fp8_fake(values, scales, topk_weights, handle_mem, group_name, handle_id, capacity):
+def _dispatch_fp8_fake(values, scales, topk_weights, handle_mem, group_name, handle_id, capacity, handle_key=None):
     if _misrouted(handle_mem):
         return _real_kernel(torch.ops.te_ep.dispatch_fp8, handle_mem, values, scales, topk_weights, handle_mem,
-                            group_name, handle_id, capacity)
+                            group_name, handle_id, capacity, handle_key)
     op = "te_ep.dispatch_fp8"
     _check(values.dim() == 2, f"{op}: values must be 2-D, got {values.dim()}-D")
     _check(values.dtype == torch.float8_e4m3fn, f"{op}: values must be torch.float8_e4m3fn, got {values.dtype}")
@@ -240,29 +251,30 @@ def _dispatch_fp8_fake(values, scales, topk_weights, handle_mem, group_name, han
 
 
 @torch.library.register_fake("te_ep::combine")
-def _combine_fake(expert_out, handle_mem, group_name, handle_id, num_tokens):
+def _combine_fake(expert_out, handle_mem, group_name, handle_id, num_tokens, handle_key=None):
     if _misrouted(handle_mem):
         return _real_kernel(torch.ops.te_ep.combine, handle_mem, expert_out, handle_mem, group_name, handle_id,
-                            num_tokens)
+                            num_tokens, handle_key)
     torch._check(expert_out.dim() == 2, lambda: f"te_ep.combine: expert_out must be 2-D, got {expert_out.dim()}-D")
     return expert_out.new_empty((num_tokens, expert_out.shape[1]))
 
 
 @torch.library.register_fake("te_ep::dispatch_bwd")
-def _dispatch_bwd_fake(grad_recv_tokens, grad_recv_weights, handle_mem, group_name, handle_id, num_tokens, top_k):
+def _dispatch_bwd_fake(grad_recv_tokens, grad_recv_weights, handle_mem, group_name, handle_id, num_tokens, top_k,
+                       handle_key=None):
     if _misrouted(handle_mem):
         return _real_kernel(torch.ops.te_ep.dispatch_bwd, handle_mem, grad_recv_tokens, grad_recv_weights,
-                            handle_mem, group_name, handle_id, num_tokens, top_k)
+                            handle_mem, group_name, handle_id, num_tokens, top_k, handle_key)
     grad_tokens = grad_recv_tokens.new_empty((num_tokens, grad_recv_tokens.shape[1]))
     grad_weights = grad_recv_weights.new_empty((num_tokens, top_k))
     return grad_tokens, grad_weights
 
 
 @torch.library.register_fake("te_ep::combine_bwd")
-def _combine_bwd_fake(grad_out, handle_mem, group_name, handle_id, capacity):
+def _combine_bwd_fake(grad_out, handle_mem, group_name, handle_id, capacity, handle_key=None):
     if _misrouted(handle_mem):
         return _real_kernel(torch.ops.te_ep.combine_bwd, handle_mem, grad_out, handle_mem, group_name, handle_id,
-                            capacity)
+                            capacity, handle_key)
     return grad_out.new_empty((capacity, grad_out.shape[1]))
 
 

@@ -187,16 +187,13 @@ def _check_compiled_fsdp_blocks(results, ep: int) -> None:
     assert results[0]["steps"][0]["counts"] != results[0]["steps"][1]["counts"]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "te_ep bug, open: the ops take the handle id as a Python int, so torch.compile guards on it and compiles one "
-    "graph per MoE layer; the ninth layer hits torch._dynamo's recompile_limit (8) and fullgraph fails "
-    "(docs/torchtitan.md, 'Limits')"))
 def test_compiled_blocks_one_graph_for_every_moe_layer(pools):
     """Nine MoE blocks, more than torch._dynamo's recompile limit (8), compiled per block with
     fullgraph=True as TorchTitan does: our dispatcher must compile no more graphs than
     TorchTitan's all-to-all one, and every layer's output and gradients must match, so each
-    compiled call reached its own layer's handle. Fails today (see the xfail reason); a
-    fix makes it pass, and the strict xfail then fails until the mark is removed."""
+    compiled call reached its own layer's handle. Before 0.3.0 the ops took the handle id
+    only as an int, which torch.compile guarded on: one graph per layer, and the ninth layer
+    failed fullgraph (the ops now take ``EpHandle.key`` under compile)."""
     from _torchtitan_cases import case_compiled_fsdp_blocks
 
     layers = 9

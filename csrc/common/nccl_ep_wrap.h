@@ -229,6 +229,9 @@ enum RecordField : int { kRecordBits = 0, kRecordToken = 1, kRecordChoice = 2, k
 constexpr int32_t kBitOutOfRange = 1;
 constexpr int32_t kBitRepeated = 2;
 constexpr int32_t kBitOverflow = 4;
+// An argument error found on the host by a rank's prepare (its message stays
+// on that rank; the record says only which rank).
+constexpr int32_t kBitArgument = 8;
 
 // After ncclEpUpdateHandle: records overflow, writes the rows in use to
 // state->total and total_out, and clips expert_counts so that their prefix sums

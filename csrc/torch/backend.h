@@ -91,6 +91,17 @@ class Backend {
   // Raises an error the device checks agreed on and the host has not raised
   // yet (waits for the GPU); a no-op where errors are raised in the op.
   virtual void raise_pending_errors() {}
+  // The "device" check mode's argument errors (comm_ops.cpp): a prepare whose
+  // arguments are bad on this rank runs on a substitute routing (no tokens)
+  // and marks the step failed in the routing agreement, so every rank sends
+  // nothing, zeroes the step's outputs and raises at its next prepare or
+  // raise_pending_errors, this rank with `error` itself. Until this rank's
+  // next prepare, failed_here() is true and its ops run on substitutes.
+  virtual std::tuple<at::Tensor, at::Tensor> prepare_failed(const std::string& error) {
+    TORCH_CHECK(false, error);
+    return {};
+  }
+  virtual bool failed_here() const { return false; }
   // Called after each op of `handle_id` was launched: the nccl_ep backend
   // hands a completion marker to the watchdog (csrc/common/watchdog.h), whose
   // kernels would otherwise wait for a lost rank forever. A no-op where the

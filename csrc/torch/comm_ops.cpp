@@ -75,6 +75,28 @@ std::shared_ptr<HandleEntry> lookup(const char* op, int64_t handle_id) {
   TORCH_CHECK(false, msg.str());
 }
 
+// The handle an op runs on: `handle_id`, or, with `handle_key` (a CPU int64
+// tensor of one element, EpHandle.key), the id it holds. torch.compile passes
+// the key with handle_id -1, so one compiled graph serves every layer's handle
+// (an int argument would be a constant of the graph); any other handle_id must
+// name the same handle as the key.
+int64_t resolve_id(const char* op, int64_t handle_id, const c10::optional<at::Tensor>& handle_key) {
+  if (!handle_key.has_value()) {
+    TORCH_CHECK(handle_id != -1, "te_ep.", op, ": handle_id -1 needs handle_key (a CPU int64 tensor of one element "
+                "holding the handle's id, EpHandle.key), got handle_key=None");
+    return handle_id;
+  }
+  const at::Tensor& key = *handle_key;
+  TORCH_CHECK(key.defined() && key.device().is_cpu() && key.scalar_type() == at::kLong && key.numel() == 1,
+              "te_ep.", op, ": handle_key must be a CPU torch.int64 tensor of one element (EpHandle.key), got ",
+              key.defined() ? c10::str(key.scalar_type(), " of shape ", key.sizes(), " on ", key.device())
+                            : std::string("an undefined tensor"));
+  const int64_t id = key.item<int64_t>();
+  TORCH_CHECK(handle_id == -1 || handle_id == id, "te_ep.", op, ": handle_id (", handle_id,
+              ") and handle_key (", id, ") name different handles; pass handle_id=-1 with handle_key");
+  return id;
+}
+
 // The first line of a message (transport errors carry long backtraces).
 std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
 
@@ -207,6 +229,27 @@ void check_num_tokens(ArgCheck& check, HandleEntry& h, const at::Tensor& handle_
       num_tokens);
 }
 
+// ---- a step that failed on this rank (the "device" check mode) -----------------
+// After Backend::prepare_failed, this rank's ops of the step run on substitutes
+// (no tokens, zero rows), so the other ranks' collectives complete, and return
+// zeros in the shapes their fake kernels give; the error is raised on every
+// rank at the next prepare or EpHandle.check(). Errors of their own arguments
+// are not checked: the step is already failed.
+at::Tensor zero_rows(const HandleConfig& cfg, int64_t rows, int64_t cols, at::ScalarType dtype) {
+  return at::zeros({rows, cols}, at::TensorOptions().dtype(dtype).device(cfg.device));
+}
+
+// [rows, t.size(1)] of t's dtype when t is 2-D (the fake kernel's shape), else
+// [rows, hidden] of the handle's dtype.
+at::Tensor zero_rows_like(const HandleConfig& cfg, const at::Tensor& t, int64_t rows) {
+  if (t.defined() && t.dim() == 2) return zero_rows(cfg, rows, t.size(1), t.scalar_type());
+  return zero_rows(cfg, rows, cfg.hidden, cfg.dtype);
+}
+
+at::Tensor zero_weights(const HandleConfig& cfg, int64_t rows) {
+  return at::zeros({rows}, at::TensorOptions().dtype(at::kFloat).device(cfg.device));
+}
+
 std::tuple<int64_t, at::Tensor> create_handle(
     c10::string_view group_name, c10::string_view backend, int64_t num_experts, int64_t max_tokens_per_rank,
     int64_t top_k, int64_t hidden, int64_t capacity, int64_t alignment, at::ScalarType dtype, at::Device device,
@@ -337,7 +380,9 @@ std::vector<int64_t> live_handles() {
 
 std::tuple<at::Tensor, at::Tensor> prepare(
     const at::Tensor& topk_idx, at::Tensor& handle_mem, c10::string_view group_name, int64_t handle_id,
-    int64_t num_local_experts) {
+    int64_t num_local_experts,
+    const c10::optional<at::Tensor>& handle_key) {
+  handle_id = resolve_id("prepare", handle_id, handle_key);
   auto h = lookup("prepare", handle_id);
   const HandleConfig& cfg = h->cfg;
   ArgCheck check("prepare", cfg);
@@ -358,15 +403,28 @@ std::tuple<at::Tensor, at::Tensor> prepare(
     error = h->backend->validate_routing(topk_idx);
     if (!error.empty()) error = "te_ep.prepare: " + error;
   }
+  if (!error.empty() && h->backend->check_mode() == "device") {
+    // Agreed with the routing on the device: no rank is left waiting.
+    return run_op(*h, handle_id, "prepare", "", [&] { return h->backend->prepare_failed(error); });
+  }
   return run_op(*h, handle_id, "prepare", error,
                 [&] { return h->backend->prepare(topk_idx, handle_mem); });
 }
 
 std::tuple<at::Tensor, at::Tensor> dispatch(
     const at::Tensor& tokens, const at::Tensor& topk_weights, const at::Tensor& handle_mem,
-    c10::string_view group_name, int64_t handle_id, int64_t capacity) {
+    c10::string_view group_name, int64_t handle_id, int64_t capacity,
+    const c10::optional<at::Tensor>& handle_key) {
+  handle_id = resolve_id("dispatch", handle_id, handle_key);
   auto h = lookup("dispatch", handle_id);
   const HandleConfig& cfg = h->cfg;
+  if (h->backend->failed_here()) {
+    return run_op(*h, handle_id, "dispatch", "", [&] {
+      h->backend->dispatch(zero_rows(cfg, 0, cfg.hidden, cfg.dtype), zero_rows(cfg, 0, cfg.top_k, at::kFloat),
+                           handle_mem);
+      return std::make_tuple(zero_rows_like(cfg, tokens, cfg.capacity), zero_weights(cfg, cfg.capacity));
+    });
+  }
   ArgCheck check("dispatch", cfg);
   check_common(check, *h, handle_mem, group_name);
   check.require(capacity == cfg.capacity, "capacity must be ", cfg.capacity, " (the handle's), got ", capacity);
@@ -381,9 +439,21 @@ std::tuple<at::Tensor, at::Tensor> dispatch(
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_fp8(
     const at::Tensor& values, const at::Tensor& scales, const at::Tensor& topk_weights, const at::Tensor& handle_mem,
-    c10::string_view group_name, int64_t handle_id, int64_t capacity) {
+    c10::string_view group_name, int64_t handle_id, int64_t capacity,
+    const c10::optional<at::Tensor>& handle_key) {
+  handle_id = resolve_id("dispatch_fp8", handle_id, handle_key);
   auto h = lookup("dispatch_fp8", handle_id);
   const HandleConfig& cfg = h->cfg;
+  if (h->backend->failed_here() && cfg.dispatch_dtype == at::kFloat8_e4m3fn) {
+    return run_op(*h, handle_id, "dispatch_fp8", "", [&] {
+      h->backend->dispatch_fp8(zero_rows(cfg, 0, cfg.hidden, at::kFloat8_e4m3fn),
+                               zero_rows(cfg, 0, cfg.hidden / kFp8Block, at::kFloat),
+                               zero_rows(cfg, 0, cfg.top_k, at::kFloat), handle_mem);
+      return std::make_tuple(zero_rows(cfg, cfg.capacity, cfg.hidden, at::kFloat8_e4m3fn),
+                             zero_rows(cfg, cfg.capacity, cfg.hidden / kFp8Block, at::kFloat),
+                             zero_weights(cfg, cfg.capacity));
+    });
+  }
   ArgCheck check("dispatch_fp8", cfg);
   check_common(check, *h, handle_mem, group_name);
   check.require(cfg.dispatch_dtype == at::kFloat8_e4m3fn, "the handle was created without FP8 dispatch; create it "
@@ -408,9 +478,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_fp8(
 
 at::Tensor combine(
     const at::Tensor& expert_out, const at::Tensor& handle_mem, c10::string_view group_name, int64_t handle_id,
-    int64_t num_tokens) {
+    int64_t num_tokens,
+    const c10::optional<at::Tensor>& handle_key) {
+  handle_id = resolve_id("combine", handle_id, handle_key);
   auto h = lookup("combine", handle_id);
   const HandleConfig& cfg = h->cfg;
+  if (h->backend->failed_here()) {
+    return run_op(*h, handle_id, "combine", "", [&] {
+      h->backend->combine(zero_rows(cfg, cfg.capacity, cfg.hidden, cfg.dtype), handle_mem, 0);
+      return zero_rows_like(cfg, expert_out, std::max<int64_t>(num_tokens, 0));
+    });
+  }
   ArgCheck check("combine", cfg);
   check_common(check, *h, handle_mem, group_name);
   check_recv_rows(check, cfg, expert_out, "expert_out");
@@ -421,9 +499,20 @@ at::Tensor combine(
 
 std::tuple<at::Tensor, at::Tensor> dispatch_bwd(
     const at::Tensor& grad_recv_tokens, const at::Tensor& grad_recv_weights, const at::Tensor& handle_mem,
-    c10::string_view group_name, int64_t handle_id, int64_t num_tokens, int64_t top_k) {
+    c10::string_view group_name, int64_t handle_id, int64_t num_tokens, int64_t top_k,
+    const c10::optional<at::Tensor>& handle_key) {
+  handle_id = resolve_id("dispatch_bwd", handle_id, handle_key);
   auto h = lookup("dispatch_bwd", handle_id);
   const HandleConfig& cfg = h->cfg;
+  if (h->backend->failed_here()) {
+    return run_op(*h, handle_id, "dispatch_bwd", "", [&] {
+      h->backend->dispatch_bwd(zero_rows(cfg, cfg.capacity, cfg.hidden, cfg.dtype), zero_weights(cfg, cfg.capacity),
+                               handle_mem, 0);
+      const int64_t rows = std::max<int64_t>(num_tokens, 0);
+      return std::make_tuple(zero_rows_like(cfg, grad_recv_tokens, rows),
+                             zero_rows(cfg, rows, std::max<int64_t>(top_k, 0), at::kFloat));
+    });
+  }
   ArgCheck check("dispatch_bwd", cfg);
   check_common(check, *h, handle_mem, group_name);
   check.require(top_k == cfg.top_k, "top_k must be ", cfg.top_k, " (the handle's), got ", top_k);
@@ -440,9 +529,17 @@ std::tuple<at::Tensor, at::Tensor> dispatch_bwd(
 
 at::Tensor combine_bwd(
     const at::Tensor& grad_out, const at::Tensor& handle_mem, c10::string_view group_name, int64_t handle_id,
-    int64_t capacity) {
+    int64_t capacity,
+    const c10::optional<at::Tensor>& handle_key) {
+  handle_id = resolve_id("combine_bwd", handle_id, handle_key);
   auto h = lookup("combine_bwd", handle_id);
   const HandleConfig& cfg = h->cfg;
+  if (h->backend->failed_here()) {
+    return run_op(*h, handle_id, "combine_bwd", "", [&] {
+      h->backend->combine_bwd(zero_rows(cfg, 0, cfg.hidden, cfg.dtype), handle_mem);
+      return zero_rows_like(cfg, grad_out, cfg.capacity);
+    });
+  }
   ArgCheck check("combine_bwd", cfg);
   check_common(check, *h, handle_mem, group_name);
   check.require(capacity == cfg.capacity, "capacity must be ", cfg.capacity, " (the handle's), got ", capacity);

@@ -29,28 +29,31 @@ TORCH_LIBRARY(te_ep, m) {
         "int alignment) -> int");
 
   // ---- expert-parallel communication ---------------------------------------
+  // handle_key (added in 0.3.0): None, or a CPU int64 tensor of one element
+  // holding the handle's id (EpHandle.key), with handle_id -1. torch.compile
+  // passes it so that one graph serves every layer's handle (docs/ops.md).
   m.def(
       "prepare(Tensor topk_idx, Tensor(a!) handle_mem, str group_name, int handle_id, "
-      "int num_local_experts) -> (Tensor expert_counts, Tensor total)");
+      "int num_local_experts, Tensor? handle_key=None) -> (Tensor expert_counts, Tensor total)");
   m.def(
       "dispatch(Tensor tokens, Tensor topk_weights, Tensor handle_mem, str group_name, "
-      "int handle_id, int capacity) -> (Tensor recv_tokens, Tensor recv_weights)");
+      "int handle_id, int capacity, Tensor? handle_key=None) -> (Tensor recv_tokens, Tensor recv_weights)");
   // FP8 dispatch (handles created with dispatch_dtype=float8_e4m3fn): e4m3
   // values [T, H] and their float32 scales [T, H / 128] move as bytes into
   // the same expert-major rows; padding rows hold zero values and scale 0.
   m.def(
       "dispatch_fp8(Tensor values, Tensor scales, Tensor topk_weights, Tensor handle_mem, str group_name, "
-      "int handle_id, int capacity) -> (Tensor recv_values, Tensor recv_scales, Tensor recv_weights)");
+      "int handle_id, int capacity, Tensor? handle_key=None) -> (Tensor recv_values, Tensor recv_scales, Tensor recv_weights)");
   m.def(
       "combine(Tensor expert_out, Tensor handle_mem, str group_name, int handle_id, "
-      "int num_tokens) -> Tensor");
+      "int num_tokens, Tensor? handle_key=None) -> Tensor");
   m.def(
       "dispatch_bwd(Tensor grad_recv_tokens, Tensor grad_recv_weights, Tensor handle_mem, "
-      "str group_name, int handle_id, int num_tokens, int top_k) "
+      "str group_name, int handle_id, int num_tokens, int top_k, Tensor? handle_key=None) "
       "-> (Tensor grad_tokens, Tensor grad_topk_weights)");
   m.def(
       "combine_bwd(Tensor grad_out, Tensor handle_mem, str group_name, int handle_id, "
-      "int capacity) -> Tensor");
+      "int capacity, Tensor? handle_key=None) -> Tensor");
 
   // ---- block-scaled FP8 (local; csrc/common/fp8.h states the rules) ---------
   // x [T, H] bfloat16/float16/float32, H a multiple of 128 -> values [T, H]

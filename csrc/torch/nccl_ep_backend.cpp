@@ -396,6 +396,7 @@ class NcclEpBackend final : public Backend {
     c10::cuda::CUDAGuard guard(cfg_.device);
     cudaStream_t stream = current_stream();
     const bool capturing = is_capturing(stream);
+    failed_here_ = false;
     if (device_checks_) {
       if (!capturing) raise_agreed_error(/*wait=*/true);
     } else if (!capturing) {
@@ -445,6 +446,23 @@ class NcclEpBackend final : public Backend {
     prepared_num_tokens_ = num_tokens;
     return {expert_counts, total};
   }
+
+  // Device checks only (Backend::prepare_failed): the step of a rank whose
+  // prepare arguments were bad runs on a routing without tokens and fails the
+  // routing agreement on every rank (kBitArgument in this rank's row).
+  std::tuple<at::Tensor, at::Tensor> prepare_failed(const std::string& error) override {
+    TORCH_CHECK(device_checks_, error);
+    require_handle("prepare");
+    c10::cuda::CUDAGuard guard(cfg_.device);
+    const at::Tensor no_tokens =
+        at::empty({0, cfg_.top_k}, at::TensorOptions().dtype(at::kLong).device(cfg_.device));
+    argument_error_ = error;
+    auto result = prepare(no_tokens, handle_mem_);
+    failed_here_ = true;
+    return result;
+  }
+
+  bool failed_here() const override { return failed_here_; }
 
   std::tuple<at::Tensor, at::Tensor> dispatch(const at::Tensor& tokens, const at::Tensor& topk_weights,
                                               const at::Tensor& handle_mem) override {
@@ -717,6 +735,11 @@ class NcclEpBackend final : public Backend {
                                        stream);
     ne::launch_publish_routing(idx.data_ptr(), is_int64, idx.size(1), cfg_.rank, state(),
                                record_.data_ptr<int32_t>(), stream);
+    if (!argument_error_.empty()) {  // prepare_failed: this rank's row says so
+      record_.narrow(0, cfg_.rank * ne::kRecordInts + ne::kRecordBits, 1).fill_(ne::kBitArgument);
+      own_argument_error_ = std::move(argument_error_);
+      argument_error_.clear();
+    }
     group_->comm()->all_reduce_sum(record_.data_ptr<int32_t>(), static_cast<size_t>(routing_ints), stream);
     at::Tensor agreed = at::empty_like(idx);
     ne::launch_apply_routing_verdict(idx.data_ptr(), agreed.data_ptr(), is_int64, idx.numel(),
@@ -749,6 +772,7 @@ class NcclEpBackend final : public Backend {
     const int32_t* host = sticky_host_.data_ptr<int32_t>();
     if (host[0] == 0) return;
     const std::string message = agreed_error_message(host + 1);
+    own_argument_error_.clear();
     C10_CUDA_CHECK(cudaMemsetAsync(sticky_.data_ptr(), 0, sticky_.nbytes(), current_stream()));
     TORCH_CHECK(false, message);
   }
@@ -763,6 +787,15 @@ class NcclEpBackend final : public Backend {
       const int32_t bits = row[ne::kRecordBits];
       if (bits == 0) continue;
       msg << "\n  rank " << r << ": ";
+      if (bits & ne::kBitArgument) {
+        msg << "bad arguments to te_ep.prepare";
+        if (r == cfg_.rank && !own_argument_error_.empty()) {
+          msg << ": " << own_argument_error_;
+        } else {
+          msg << " (that rank's error names them)";
+        }
+        continue;
+      }
       if (bits & ne::kBitOverflow) {
         msg << "capacity overflow: the routing needs " << row[ne::kRecordValue]
             << " receive rows but the handle's capacity is " << cfg_.capacity
@@ -862,6 +895,12 @@ class NcclEpBackend final : public Backend {
   ne::DType dtype_;
   bool check_routing_;
   bool device_checks_;
+  // Device checks: prepare_failed's message until agree_on_routing publishes
+  // it; then kept to name it when the agreed error is raised; and whether this
+  // rank's ops run on substitutes until its next prepare.
+  std::string argument_error_;
+  std::string own_argument_error_;
+  bool failed_here_ = false;
   bool zero_copy_;
   std::string mode_reason_;
   std::string watch_label_;  // " of group 'G' (rank r of W)", for the watchdog's messages

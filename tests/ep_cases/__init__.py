@@ -37,7 +37,13 @@ import dataclasses
 from typing import Callable
 
 from .common import Step
-from .compile_graphs import case_backend_agreement, case_compile, case_cuda_graph, case_opcheck
+from .compile_graphs import (
+    case_backend_agreement,
+    case_compile,
+    case_compile_many_layers,
+    case_cuda_graph,
+    case_opcheck,
+)
 from .dense import MOE_LAYERS, case_moe_dense
 from .errors import (
     BAD_INPUTS,
@@ -48,6 +54,7 @@ from .errors import (
     case_destroyed_handle,
     case_destroyed_handle_one_rank,
     case_device_checks,
+    case_device_checks_arguments,
     case_routing_guard,
     case_dispatch_before_prepare,
     case_stale_backward,
@@ -121,6 +128,7 @@ CASES = [
     Case("opcheck_empty_rank", case_opcheck, (1,), timeout=120),
     Case("compile_aot_eager", case_compile, ("aot_eager",), world_sizes=(2,), timeout=300),
     Case("compile_inductor", case_compile, ("inductor",), world_sizes=(2,), timeout=600),
+    Case("compile_many_layers", case_compile_many_layers, ("aot_eager",), world_sizes=(2,), timeout=300),
     Case("handle_mode_and_memory", case_handle_mode_and_memory),
     Case("fp8_dispatch_exact", case_fp8_dispatch_exact, (FP8_STEPS,), timeout=120),
     Case("fp8_dispatch_exact_pow2", case_fp8_dispatch_exact, (FP8_STEPS[:2], True), timeout=120),
@@ -136,6 +144,8 @@ CASES = [
     Case("smoke_8_ranks_moe", case_moe_dense, (MOE_LAYERS["two_layers"],), world_sizes=(8,), timeout=120),
     Case("cuda_graph", case_cuda_graph, world_sizes=(), only_non_reference=True, timeout=180),
     Case("device_checks", case_device_checks, world_sizes=(), only_non_reference=True, timeout=180),
+    Case("device_checks_arguments", case_device_checks_arguments, world_sizes=(), only_non_reference=True,
+         timeout=180),
     Case("routing_guard", case_routing_guard, world_sizes=(), only_non_reference=True, timeout=180),
     Case("backend_agreement", case_backend_agreement,
          ([Step(top_k=2, hidden=64, dtype="bf16"), Step(top_k=4, hidden=32, dtype="fp32", alignment=16,

@@ -60,6 +60,55 @@ def case_compile(ctx, compile_backend: str) -> None:
     group.shutdown()
 
 
+def case_compile_many_layers(ctx, compile_backend: str) -> None:
+    """More MoE layers than torch._dynamo's recompile limit, each an nn.Module with its own
+    handle, each compiled with fullgraph=True: one graph serves them all (under compile the ops
+    take the handle as EpHandle.key, an input, not its id as a constant), and every layer's
+    output and gradients match eager. All forwards run before one backward over every layer,
+    with a routing per layer, so a call that reached another layer's handle would give wrong
+    gradients."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    W, r, dev = ctx.world_size, ctx.rank, torch.device(ctx.device)
+    st = Step(dtype="fp32", top_k=2, hidden=16, tokens=(8, 5), alignment=4, drop=0.1, seed=44)
+    group = make_group(ctx, st)
+    El = group.num_local_experts
+    num_layers = torch._dynamo.config.recompile_limit + 2
+
+    class MoeLayer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.handle = group.create_handle(top_k=2, hidden=16, dtype=torch.float32, alignment=4)
+
+        def forward(self, x, idx, w, ex):
+            return moe_step(self.handle, x, idx, w, ex, expert_forward_static)
+
+    layers = [MoeLayer() for _ in range(num_layers)]
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(compile_backend)
+    compiled = [torch.compile(layer, fullgraph=True, backend=counter) for layer in layers]
+    data = [layer_data(Layer(st, salt=i), W) for i in range(num_layers)]
+    results = []
+    for mods in (layers, compiled):
+        leaves, loss = [], 0
+        for mod, (idx_all, w_all, xs, gys, experts) in zip(mods, data):
+            x = xs[r].to(dev, copy=True).requires_grad_()
+            w = w_all[r].to(dev, copy=True).requires_grad_()
+            ex = experts[r * El : (r + 1) * El].to(dev, copy=True).requires_grad_()
+            y = mod(x, idx_all[r].to(dev), w, ex)
+            loss = loss + (y * gys[r].to(dev)).sum()
+            leaves.append((y.detach(), x, w, ex))
+        loss.backward()
+        results.append([(y, x.grad, w.grad, ex.grad) for y, x, w, ex in leaves])
+    if counter.frame_count != 1:
+        raise AssertionError(f"rank {r}: {num_layers} MoE layers compiled {counter.frame_count} graphs, expected 1")
+    for i, (eager, comp) in enumerate(zip(*results)):
+        for name, a, b in zip(("y", "grad x", "grad w", "grad experts"), comp, eager):
+            assert_close_scaled(a, b, torch.float32, f"rank {r} layer {i} compiled vs eager {name}")
+    group.shutdown()
+
+
 # ---------------------------------------------------------------------------
 # opcheck
 # ---------------------------------------------------------------------------
@@ -88,6 +137,13 @@ def case_opcheck(ctx, which: int) -> None:
         opcheck(ops.combine.default, (recv, h.handle_mem, gname, h.id, T))
         opcheck(ops.dispatch_bwd.default, (recv, recv_w, h.handle_mem, gname, h.id, T, st.top_k))
         opcheck(ops.combine_bwd.default, (x, h.handle_mem, gname, h.id, cap))
+        # the form torch.compile calls: handle_id -1 and the handle's key
+        opcheck(ops.prepare.default, (idx, h.handle_mem, gname, -1, El, h.key))
+        ops.prepare(idx, h.handle_mem, gname, -1, El, h.key)
+        opcheck(ops.dispatch.default, (x, w, h.handle_mem, gname, -1, cap, h.key))
+        opcheck(ops.combine.default, (recv, h.handle_mem, gname, -1, T, h.key))
+        opcheck(ops.dispatch_bwd.default, (recv, recv_w, h.handle_mem, gname, -1, T, st.top_k, h.key))
+        opcheck(ops.combine_bwd.default, (x, h.handle_mem, gname, h.id, cap, h.key))
         _opcheck_dispatch_fp8(ctx, st, group, idx, w)
         group.shutdown()
 
@@ -124,6 +180,7 @@ def _opcheck_dispatch_fp8(ctx, st: Step, group, idx: torch.Tensor, w: torch.Tens
     # combine of the dequantized rows on the FP8 handle (combine stays in the tokens' dtype)
     rows = te.dequantize_fp8(recv_v, recv_s, st.torch_dtype())
     opcheck(ops.combine.default, (rows, h.handle_mem, gname, h.id, T))
+    opcheck(ops.dispatch_fp8.default, (q, s, w, h.handle_mem, gname, -1, cap, h.key), test_utils=_FP8_OPCHECK_UTILS)
 
 
 # ---------------------------------------------------------------------------

@@ -629,6 +629,54 @@ def _device_checks_env():
         del os.environ["TE_EP_DEVICE_CHECKS"]
 
 
+def case_device_checks_arguments(ctx) -> None:
+    """nccl_ep with TE_EP_DEVICE_CHECKS=1: bad arguments to prepare on one rank (more tokens
+    than max_tokens_per_rank; then topk_idx of a float dtype) are agreed with the routing on
+    the device (docs/ops.md, "Check modes"). No rank raises in the step; every op of it
+    (dispatch, combine and both backward ops) completes on every rank and returns zeros; every
+    rank raises at the next check() or prepare, naming the faulty rank, and the faulty rank's
+    message holds its own error; exact steps follow."""
+    W, r, last = ctx.world_size, ctx.rank, ctx.rank == ctx.world_size - 1
+    dev, st = torch.device(ctx.device), ERROR_STEP
+    with _device_checks_env():
+        group = make_group(ctx, st)
+        handle = group.create_handle(top_k=st.top_k, hidden=st.hidden, dtype=st.torch_dtype())
+    assert handle.check_mode == "device", handle.check_mode
+    idx_all, w_all = all_inputs(st, W)
+    too_many = group.max_tokens_per_rank + 3
+
+    def bad_inputs(kind: str):
+        idx, w = idx_all[r], w_all[r]
+        if last and kind == "rows":
+            idx = torch.cat([idx, idx[:1].expand(too_many - idx.shape[0], -1)])
+            w = torch.cat([w, w[:1].expand(too_many - w.shape[0], -1)])
+        if last and kind == "dtype":
+            idx = idx.to(torch.float32)
+        x = fingerprint(r, idx.shape[0], st.hidden, st.torch_dtype()).to(dev).requires_grad_()
+        return x, idx.to(dev), w.to(dev).requires_grad_()
+
+    mine = {"rows": f"topk_idx.size(0) (num_tokens) must be at most {group.max_tokens_per_rank}",
+            "dtype": "topk_idx must be torch.int64 or torch.int32, got torch.float32"}
+    for kind, follow_up in (("rows", "check"), ("dtype", "prepare")):
+        run_exact_step(ctx, group, handle, st, r, W, tag=f"device-checked arguments, before {kind}: ")
+        x, idx, w = bad_inputs(kind)
+        out = te.ep_dispatch(handle, x, idx, w)  # no rank raises in the failed step
+        y = te.ep_combine(handle, out.tokens * out.weights[:, None].to(out.tokens.dtype), x.shape[0])
+        y.float().sum().backward()
+        assert y.shape == x.shape, (y.shape, x.shape)
+        for name, t in (("total", out.total), ("received tokens", out.tokens), ("received weights", out.weights),
+                        ("combine output", y), ("grad tokens", x.grad), ("grad weights", w.grad)):
+            assert not t.any(), f"rank {r} {kind}: {name} of a failed step must be zeros"
+        says = [f"rank {W - 1}: bad arguments to te_ep.prepare", f"handle {handle.id}"]
+        says.append(mine[kind] if last else "that rank's error names them")
+        if follow_up == "check":
+            expect_raises(handle.check, *says)
+        else:
+            expect_raises(lambda: handle.prepare(idx_all[r].to(dev)), *says)
+        run_exact_step(ctx, group, handle, st, r, W, tag=f"device-checked arguments, after {kind}: ")
+    group.shutdown()
+
+
 def case_device_checks(ctx) -> None:
     """nccl_ep with TE_EP_DEVICE_CHECKS=1 (docs/ops.md, "Faults and bad input"): a step whose
     routing is bad on one rank runs on every rank without raising, sends nothing (zero

@@ -449,8 +449,9 @@ NOT_MEASURED = "declared from the code and docs/ops.md ('Check modes'), not yet 
 NCCL_EP_WATCHDOG_SHORTFALL = (NOT_MEASURED + "no Python exception on the waiting ranks; te_ep's watchdog ends them "
                               "(exit code 70) with a message naming the op, the handle, the group and the rank, but "
                               "not the rank at fault")
-NCCL_EP_DEVICE_ARG_SHORTFALL = (NOT_MEASURED + "the device check mode agrees on routing and capacity only; an "
-                                "argument error raises on the faulty rank alone, and the others, inside NCCL EP's "
+NCCL_EP_DEVICE_ARG_SHORTFALL = (NOT_MEASURED + "the device check mode agrees on routing, capacity and prepare's "
+                                "arguments only; an argument error of a later op (here dispatch) raises on the "
+                                "faulty rank alone, and the others, inside NCCL EP's "
                                 "dispatch, are ended by te_ep's watchdog (exit code 70) one process-group timeout "
                                 "after the launch, with a message that does not name the rank at fault")
 NCCL_EP_LOCAL_SHORTFALL = (NOT_MEASURED + "check mode `local`: nothing is raised in the step, which completes on "
