@@ -363,6 +363,16 @@ DOCUMENTED = [
                                                     "handle's capacity is 13 (create the handle with a larger "
                                                     "capacity, at most EpGroup.worst_case_capacity)"),
            failed_in="next prepare", output="zeros", recovery=_OK) for r in (0, 1)]),
+    ("topk_idx_dtype_one_rank", "nccl_ep", [
+        _r(0, "died", _te_ep_watchdog(0, "prepare"), failed_in="step", seconds=20.1, exit_code=WATCHDOG_EXIT_CODE),
+        _r(1, "raised", "te_ep.prepare: topk_idx must be torch.int64 or torch.int32, got torch.float32" + _HANDLE,
+           failed_in="step")]),
+    ("topk_idx_dtype_one_rank", "nccl_ep+device", [
+        _r(0, "raised", _AGREED.format(rank=1, what="bad arguments to te_ep.prepare (that rank's error names them)"),
+           failed_in="next prepare", output="zeros", recovery=_OK),
+        _r(1, "raised", _AGREED.format(rank=1, what="bad arguments to te_ep.prepare: topk_idx must be torch.int64 or "
+                                                    "torch.int32, got torch.float32"),
+           failed_in="next prepare", output="zeros", recovery=_OK)]),
     ("tokens_dtype_one_rank", "nccl_ep+device", [
         _r(0, "died", _te_ep_watchdog(0, "dispatch"), failed_in="step", seconds=20.1, exit_code=WATCHDOG_EXIT_CODE),
         _r(1, "raised", "te_ep.dispatch: tokens must be torch.bfloat16 (the handle's dtype), got torch.float16"

@@ -790,7 +790,9 @@ class NcclEpBackend final : public Backend {
       if (bits & ne::kBitArgument) {
         msg << "bad arguments to te_ep.prepare";
         if (r == cfg_.rank && !own_argument_error_.empty()) {
-          msg << ": " << own_argument_error_;
+          const std::string prefix = "te_ep.prepare: ";
+          const bool named = own_argument_error_.rfind(prefix, 0) == 0;
+          msg << ": " << own_argument_error_.substr(named ? prefix.size() : 0);
         } else {
           msg << " (that rank's error names them)";
         }

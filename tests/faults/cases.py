@@ -269,6 +269,24 @@ def body_tokens_hidden(f) -> None:
     _input_fault(f, lambda env: dict(x=torch.zeros(env.x.shape[0], H + 1, dtype=env.x.dtype, device=env.x.device)))
 
 
+def body_topk_idx_dtype(f) -> None:
+    """The faulty rank's topk_idx is float32, an argument error of prepare; a rank whose step
+    completes checks its outputs and runs the handle's next prepare; a rank that raised runs
+    an exact step."""
+    env = _env(f)
+    idx = env.idx.float() if f.is_faulty else env.idx
+
+    def call():
+        out, y = _forward(env, idx=idx)
+        f.sync()
+        _check_outputs(f, env, out, y, env.idx_all)
+        f.stage(NEXT_PREPARE)
+        env.handle.prepare(env.idx)
+
+    ok, _ = f.faulted(call)
+    _exact_after_raise(f, env, ok)
+
+
 def _overflow_routing(world_size: int):
     """(every rank's routing, capacity): the capacity fits every rank's need under the
     seed's routing, but the last rank sends all its choices to rank 0's experts, so rank 0
@@ -547,6 +565,10 @@ def _routing_case(name, fault, body, faulty, says, guard_says, device_says, worl
     )
 
 
+_PREPARE_ARG_CONTRACT = _arg_error("prepare", "topk_idx must be torch.int64 or torch.int32, got torch.float32").but(
+    recovers=True)
+
+
 def _arg_case(name, fault, body, faulty, op, says) -> Case:
     contract = _arg_error(op, *says)
     return Case(
@@ -617,6 +639,26 @@ CASES = [
                                       "the handle's capacity is {cap}"),
         },
         world_sizes=(2, 3),
+    ),
+    Case(
+        "topk_idx_dtype_one_rank",
+        "topk_idx of a float dtype on one rank (an argument error of prepare); then the handle's next prepare",
+        body_topk_idx_dtype, lambda W: W - 1, _PREPARE_ARG_CONTRACT,
+        behaviour={
+            "reference": _PREPARE_ARG_CONTRACT,
+            # the faulty rank raises at once; the others go on into NCCL EP's routing exchange
+            "nccl_ep": _watchdog_ends(_PREPARE_ARG_CONTRACT, "prepare", raising="faulty", watchdog="others",
+                                      recovers=False),
+            "nccl_ep+check": _check_routing(_PREPARE_ARG_CONTRACT, others="te_ep.prepare failed on rank {faulty}"),
+            # agreed with the routing (prepare_failed in nccl_ep_backend.cpp): zeros, then every rank
+            # raises at the next prepare; the faulty rank's message holds its own error
+            "nccl_ep+device": _device(_PREPARE_ARG_CONTRACT, NEXT_PREPARE, "rank {faulty}: bad arguments to "
+                                      "te_ep.prepare").but(
+                faulty_says=(DEVICE_SAYS, "rank {faulty}: bad arguments to te_ep.prepare: topk_idx must be "
+                             "torch.int64 or torch.int32, got torch.float32"),
+                others_say=(DEVICE_SAYS, "rank {faulty}: bad arguments to te_ep.prepare (that rank's error names "
+                            "them)")),
+        },
     ),
     _arg_case("tokens_dtype_one_rank", "tokens of the wrong dtype (float16 for a bfloat16 handle) on one rank",
               body_tokens_dtype, lambda W: W - 1, "dispatch", ("tokens", "torch.bfloat16", "torch.float16")),
