@@ -667,8 +667,8 @@ def case_device_checks_arguments(ctx) -> None:
         for name, t in (("total", out.total), ("received tokens", out.tokens), ("received weights", out.weights),
                         ("combine output", y), ("grad tokens", x.grad), ("grad weights", w.grad)):
             assert not t.any(), f"rank {r} {kind}: {name} of a failed step must be zeros"
-        says = [f"rank {W - 1}: bad arguments to te_ep.prepare", f"handle {handle.id}"]
-        says.append(mine[kind] if last else "that rank's error names them")
+        says = [f"handle {handle.id}", f"rank {W - 1}: bad arguments to te_ep.prepare"
+                + (f": {mine[kind]}" if last else " (that rank's error names them)")]
         if follow_up == "check":
             expect_raises(handle.check, *says)
         else:
