@@ -64,9 +64,10 @@ def _check_generation(handle: EpHandle, generation: int, what: str) -> None:
 
 def _save_handle(ctx, handle: EpHandle) -> None:
     """What the backward ops need of the handle. Its memory and (under torch.compile) its
-    key are saved as tensors, so a compiled backward takes them as inputs, like the forward."""
+    key are saved as tensors, so a compiled backward takes them as inputs, like the forward.
+    The generation is checked eagerly only: read under compile, it would be a guard."""
     ctx.handle = handle
-    ctx.generation = handle.generation
+    ctx.generation = None if torch.compiler.is_compiling() else handle.generation
     ctx.handle_id, key = handle.op_ids()
     ctx.save_for_backward(handle.handle_mem, key)
 

@@ -459,8 +459,8 @@ class EpHandle:
 
         Eagerly ``(id, None)``. Under torch.compile ``(-1, key)``: the graph then takes the
         handle's id as an input tensor rather than a constant it guards on, so one compiled
-        graph serves the MoE layers of every handle alike (docs/ops.md, "Handles under
-        torch.compile"). ``key`` is a CPU int64 tensor holding ``id``; do not modify it.
+        graph serves the MoE layers of every handle alike (docs/ops.md, "One graph for
+        every layer"). ``key`` is a CPU int64 tensor holding ``id``; do not modify it.
         """
         if torch.compiler.is_compiling():
             return -1, self.key

@@ -124,7 +124,7 @@ def prepare(
 
     ``handle_key`` (every communication op takes it): ``None``, or the handle's
     :attr:`~te_ep_torch.EpHandle.key` with ``handle_id=-1``, which torch.compile treats as
-    data rather than a constant (docs/ops.md, "Handles under torch.compile").
+    data rather than a constant (docs/ops.md, "One graph for every layer").
     """
     return torch.ops.te_ep.prepare(topk_idx, handle_mem, group_name, handle_id, num_local_experts, handle_key)
 

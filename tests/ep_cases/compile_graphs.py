@@ -63,7 +63,8 @@ def case_compile(ctx, compile_backend: str) -> None:
 def case_compile_many_layers(ctx, compile_backend: str) -> None:
     """More MoE layers than torch._dynamo's recompile limit, each an nn.Module with its own
     handle, each compiled with fullgraph=True: one graph serves them all (under compile the ops
-    take the handle as EpHandle.key, an input, not its id as a constant), and every layer's
+    take the handle as EpHandle.key, an input, not its id as a constant; nothing reads the
+    handles' generations, which differ here), and every layer's
     output and gradients match eager. All forwards run before one backward over every layer,
     with a routing per layer, so a call that reached another layer's handle would give wrong
     gradients."""
@@ -89,6 +90,9 @@ def case_compile_many_layers(ctx, compile_backend: str) -> None:
     counter = CompileCounterWithBackend(compile_backend)
     compiled = [torch.compile(layer, fullgraph=True, backend=counter) for layer in layers]
     data = [layer_data(Layer(st, salt=i), W) for i in range(num_layers)]
+    # one handle prepared once more, eagerly: the handles' generations differ (eager-only
+    # bookkeeping; read under compile, it would be a guard and split the graph)
+    layers[0].handle.prepare(data[0][0][r].to(dev))
     results = []
     for mods in (layers, compiled):
         leaves, loss = [], 0
