@@ -392,6 +392,27 @@ class NcclEpBackend final : public Backend {
 
   std::tuple<at::Tensor, at::Tensor> prepare(const at::Tensor& topk_idx, at::Tensor& handle_mem) override {
     (void)handle_mem;
+    return prepare_step(topk_idx, nullptr);
+  }
+
+  // Device checks only (Backend::prepare_failed): the step of a rank whose
+  // prepare arguments were bad runs on a routing without tokens and fails the
+  // routing agreement on every rank (kBitArgument in this rank's row).
+  std::tuple<at::Tensor, at::Tensor> prepare_failed(const std::string& error) override {
+    TORCH_CHECK(device_checks_, error);
+    c10::cuda::CUDAGuard guard(cfg_.device);
+    const at::Tensor no_tokens =
+        at::empty({0, cfg_.top_k}, at::TensorOptions().dtype(at::kLong).device(cfg_.device));
+    auto result = prepare_step(no_tokens, &error);
+    failed_here_ = true;
+    return result;
+  }
+
+  bool failed_here() const override { return failed_here_; }
+
+ private:
+  // `argument_error`: this rank's prepare arguments were bad (prepare_failed).
+  std::tuple<at::Tensor, at::Tensor> prepare_step(const at::Tensor& topk_idx, const std::string* argument_error) {
     require_handle("prepare");
     c10::cuda::CUDAGuard guard(cfg_.device);
     cudaStream_t stream = current_stream();
@@ -407,7 +428,7 @@ class NcclEpBackend final : public Backend {
     const int64_t num_tokens = idx.size(0);
     const int64_t top_k = idx.size(1);
     const bool is_int64 = idx.scalar_type() == at::kLong;
-    if (device_checks_) idx = agree_on_routing(idx, stream);
+    if (device_checks_) idx = agree_on_routing(idx, argument_error, stream);
     if (device_checks_ || check_routing_) {
       ne::launch_mark_unrouted(idx.data_ptr(), is_int64, num_tokens, top_k, unrouted(), stream);
     } else {
@@ -447,23 +468,7 @@ class NcclEpBackend final : public Backend {
     return {expert_counts, total};
   }
 
-  // Device checks only (Backend::prepare_failed): the step of a rank whose
-  // prepare arguments were bad runs on a routing without tokens and fails the
-  // routing agreement on every rank (kBitArgument in this rank's row).
-  std::tuple<at::Tensor, at::Tensor> prepare_failed(const std::string& error) override {
-    TORCH_CHECK(device_checks_, error);
-    require_handle("prepare");
-    c10::cuda::CUDAGuard guard(cfg_.device);
-    const at::Tensor no_tokens =
-        at::empty({0, cfg_.top_k}, at::TensorOptions().dtype(at::kLong).device(cfg_.device));
-    argument_error_ = error;
-    auto result = prepare(no_tokens, handle_mem_);
-    failed_here_ = true;
-    return result;
-  }
-
-  bool failed_here() const override { return failed_here_; }
-
+ public:
   std::tuple<at::Tensor, at::Tensor> dispatch(const at::Tensor& tokens, const at::Tensor& topk_weights,
                                               const at::Tensor& handle_mem) override {
     (void)handle_mem;
@@ -727,7 +732,7 @@ class NcclEpBackend final : public Backend {
   // Device checks: every rank checks its routing, the ranks' findings are
   // summed into one record on every rank (a rank fills only its own row), and
   // if any rank failed every rank sends nothing this step (all ids -1).
-  at::Tensor agree_on_routing(const at::Tensor& idx, cudaStream_t stream) {
+  at::Tensor agree_on_routing(const at::Tensor& idx, const std::string* argument_error, cudaStream_t stream) {
     const bool is_int64 = idx.scalar_type() == at::kLong;
     const int64_t routing_ints = cfg_.ep_size * ne::kRecordInts;
     C10_CUDA_CHECK(cudaMemsetAsync(record_.data_ptr(), 0, record_.nbytes(), stream));
@@ -735,10 +740,9 @@ class NcclEpBackend final : public Backend {
                                        stream);
     ne::launch_publish_routing(idx.data_ptr(), is_int64, idx.size(1), cfg_.rank, state(),
                                record_.data_ptr<int32_t>(), stream);
-    if (!argument_error_.empty()) {  // prepare_failed: this rank's row says so
+    if (argument_error != nullptr) {  // prepare_failed: this rank's row says so
       record_.narrow(0, cfg_.rank * ne::kRecordInts + ne::kRecordBits, 1).fill_(ne::kBitArgument);
-      own_argument_error_ = std::move(argument_error_);
-      argument_error_.clear();
+      own_argument_error_ = *argument_error;
     }
     group_->comm()->all_reduce_sum(record_.data_ptr<int32_t>(), static_cast<size_t>(routing_ints), stream);
     at::Tensor agreed = at::empty_like(idx);
@@ -897,10 +901,9 @@ class NcclEpBackend final : public Backend {
   ne::DType dtype_;
   bool check_routing_;
   bool device_checks_;
-  // Device checks: prepare_failed's message until agree_on_routing publishes
-  // it; then kept to name it when the agreed error is raised; and whether this
-  // rank's ops run on substitutes until its next prepare.
-  std::string argument_error_;
+  // Device checks: the message of prepare_failed once its step is published,
+  // kept to name it when the agreed error is raised; and whether this rank's
+  // ops run on substitutes until its next prepare.
   std::string own_argument_error_;
   bool failed_here_ = false;
   bool zero_copy_;

@@ -635,7 +635,8 @@ def case_device_checks_arguments(ctx) -> None:
     the device (docs/ops.md, "Check modes"). No rank raises in the step; every op of it
     (dispatch, combine and both backward ops) completes on every rank and returns zeros; every
     rank raises at the next check() or prepare, naming the faulty rank, and the faulty rank's
-    message holds its own error; exact steps follow."""
+    message holds its own error; exact steps follow. Bad arguments while an earlier agreed
+    error is pending raise that error and leave nothing behind."""
     W, r, last = ctx.world_size, ctx.rank, ctx.rank == ctx.world_size - 1
     dev, st = torch.device(ctx.device), ERROR_STEP
     with _device_checks_env():
@@ -674,6 +675,17 @@ def case_device_checks_arguments(ctx) -> None:
         else:
             expect_raises(lambda: handle.prepare(idx_all[r].to(dev)), *says)
         run_exact_step(ctx, group, handle, st, r, W, tag=f"device-checked arguments, after {kind}: ")
+
+    # Bad arguments on a rank while an agreed error is pending: that prepare raises the earlier
+    # error on every rank, and the bad arguments leave nothing behind (the next step is exact).
+    E, bad_idx = group.num_experts, idx_all[r].clone()
+    if last:
+        bad_idx[3, 0] = E
+    x = fingerprint(r, bad_idx.shape[0], st.hidden, st.torch_dtype()).to(dev)
+    te.ep_dispatch(handle, x, bad_idx.to(dev), w_all[r].to(dev))
+    _, idx, _ = bad_inputs("dtype")
+    expect_raises(lambda: handle.prepare(idx), f"rank {W - 1}: topk_idx[3, 0] = {E}", f"handle {handle.id}")
+    run_exact_step(ctx, group, handle, st, r, W, tag="device-checked arguments, after a pending error: ")
     group.shutdown()
 
 
