@@ -481,7 +481,9 @@ class EpHandle:
         """How bad routing and capacity overflow are caught (docs/ops.md, "Faults and bad input"):
         ``"synchronous"`` (in the op, on every rank: the reference backend and ``nccl_ep`` with
         ``TE_EP_CHECK_ROUTING=1``), ``"device"`` (``nccl_ep`` with ``TE_EP_DEVICE_CHECKS=1``:
-        agreed on the device, raised on every rank at the next ``prepare`` or :meth:`check`) or
+        agreed on the device, as are every op's argument errors; raised on every rank at
+        :meth:`check` or a later ``prepare``: the next one, or for an op after ``prepare`` the
+        one after it) or
         ``"local"`` (``nccl_ep``'s default: each rank drops its own bad choices on the device
         before NCCL EP sees them and records them and a capacity overflow; raised on that rank
         only, at its next ``prepare`` or :meth:`check`)."""

@@ -309,7 +309,8 @@ _GUARD = ("te_ep.prepare: the routing of an earlier step on rank 1 had an expert
           "them. TE_EP_DEVICE_CHECKS=1 makes such a step move nothing on every rank and raises it on every rank; "
           "TE_EP_CHECK_ROUTING=1 raises in the step itself" + _HANDLE)
 _AGREED = ("te_ep.prepare: an earlier step of this handle failed on the device checks of every rank "
-           "(TE_EP_DEVICE_CHECKS=1); that step sent nothing or returned zeros, and no rank used its outputs as valid:"
+           "(TE_EP_DEVICE_CHECKS=1); that step sent nothing or returned zeros (from the failing op on), and no rank "
+           "used its outputs as valid:"
            "\n  rank {rank}: {what}" + _HANDLE)
 _OVERFLOW_18 = ("te_ep.prepare: capacity overflow on rank 0: the routing needs 18 receive rows but the handle's "
                 "capacity is 13; NCCL EP dropped the rows that did not fit. Create the handle with a larger capacity "
@@ -334,6 +335,8 @@ def _r(rank, status, message="", *, failed_in="", output="", seconds=0.05, exit_
 
 _OK = [("exact step, same handle", "ok")]
 _OK_BAD_STEP = [("exact step, same handle", "ok"), ("exact step, new handle", "ok"), ("group shutdown", "ok")]
+_OK_BAD_STEP_DEVICE = _OK_BAD_STEP[:1] + [("tokens of the wrong dtype on rank 1: every rank raises at check()", "ok"),
+                                          ("exact step, same handle, again", "ok")] + _OK_BAD_STEP[1:]
 
 # (case, variant, every rank's record as the docs and the code describe it)
 DOCUMENTED = [
@@ -373,10 +376,22 @@ DOCUMENTED = [
         _r(1, "raised", _AGREED.format(rank=1, what="bad arguments to te_ep.prepare: topk_idx must be torch.int64 or "
                                                     "torch.int32, got torch.float32"),
            failed_in="next prepare", output="zeros", recovery=_OK)]),
-    ("tokens_dtype_one_rank", "nccl_ep+device", [
+    ("tokens_dtype_one_rank", "nccl_ep", [
         _r(0, "died", _te_ep_watchdog(0, "dispatch"), failed_in="step", seconds=20.1, exit_code=WATCHDOG_EXIT_CODE),
         _r(1, "raised", "te_ep.dispatch: tokens must be torch.bfloat16 (the handle's dtype), got torch.float16"
            + _HANDLE, failed_in="step")]),
+    ("tokens_dtype_one_rank", "nccl_ep+device", [
+        _r(0, "raised", _AGREED.format(rank=1, what="bad arguments to te_ep.dispatch (that rank's error names them)"),
+           failed_in="check()", output="zeros", recovery=_OK),
+        _r(1, "raised", _AGREED.format(rank=1, what="bad arguments to te_ep.dispatch: tokens must be torch.bfloat16 "
+                                                    "(the handle's dtype), got torch.float16"),
+           failed_in="check()", output="zeros", recovery=_OK)]),
+    ("tokens_hidden_one_rank", "nccl_ep+device", [
+        _r(0, "raised", _AGREED.format(rank=0, what="bad arguments to te_ep.dispatch: tokens.size(1) must be {H} "
+                                                    "(the handle's hidden), got {H1}"),
+           failed_in="check()", output="zeros", recovery=_OK),
+        _r(1, "raised", _AGREED.format(rank=0, what="bad arguments to te_ep.dispatch (that rank's error names them)"),
+           failed_in="check()", output="zeros", recovery=_OK)]),
     ("rank_exits_mid_step", "nccl_ep+check", [
         _r(0, "exited", exit_code=INJECTED_EXIT_CODE, seconds=0.0),
         _r(1, "died", _TORCH_ABORT.format(r=1), failed_in="step", seconds=21.0, exit_code=TORCH_ABORT_EXIT_CODE)]),
@@ -391,7 +406,7 @@ DOCUMENTED = [
         _r(1, "raised", _GUARD, failed_in="check()", output="guarded", recovery=_OK_BAD_STEP)]),
     ("bad_step_then_recovery", "nccl_ep+device", [
         _r(r, "raised", _AGREED.format(rank=1, what="topk_idx[3, 0] = 8 (an expert id outside [-1, 8))"),
-           failed_in="check()", output="zeros", recovery=_OK_BAD_STEP) for r in (0, 1)]),
+           failed_in="check()", output="zeros", recovery=_OK_BAD_STEP_DEVICE) for r in (0, 1)]),
 ]
 
 

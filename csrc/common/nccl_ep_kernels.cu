@@ -253,21 +253,27 @@ __global__ void publish_overflow_kernel(const HandleState* state, int64_t capaci
   overflow[rank] = needed > capacity ? static_cast<int32_t>(needed) : 0;
 }
 
-__global__ void apply_overflow_verdict_kernel(const int32_t* overflow, int64_t world, HandleState* state,
-                                              int32_t* sticky) {
+// values[r]: rank r's finding (0: none); `bit` says what a finding is
+// (kBitOverflow: the receive rows needed; kBitArgument: the op's code).
+__global__ void apply_rank_verdict_kernel(const int32_t* values, int64_t world, int32_t bit, HandleState* state,
+                                          int32_t* sticky) {
   bool any = false;
-  for (int64_t r = 0; r < world; ++r) any = any || overflow[r] != 0;
+  for (int64_t r = 0; r < world; ++r) any = any || values[r] != 0;
   if (!any) return;
   state->poisoned = 1;
   if (sticky[0] != 0) return;
   sticky[0] = 1;
   for (int64_t r = 0; r < world; ++r) {
     int32_t* row = sticky + 1 + r * kRecordInts;
-    row[kRecordBits] = overflow[r] != 0 ? kBitOverflow : 0;
+    row[kRecordBits] = values[r] != 0 ? bit : 0;
     row[kRecordToken] = 0;
     row[kRecordChoice] = 0;
-    row[kRecordValue] = overflow[r];
+    row[kRecordValue] = values[r];
   }
+}
+
+__global__ void publish_rank_value_kernel(int32_t* values, int64_t world, int64_t rank, int32_t value) {
+  for (int64_t r = 0; r < world; ++r) values[r] = r == rank ? value : 0;
 }
 
 __global__ void zero_if_poisoned_kernel(const HandleState* state, uint4* data, int64_t vecs, int64_t tail_bytes) {
@@ -436,8 +442,19 @@ void launch_publish_overflow(const HandleState* state, int64_t capacity, int64_t
 
 void launch_apply_overflow_verdict(const int32_t* overflow, int64_t world, HandleState* state, int32_t* sticky,
                                    cudaStream_t stream) {
-  apply_overflow_verdict_kernel<<<1, 1, 0, stream>>>(overflow, world, state, sticky);
-  check_launch("apply_overflow_verdict_kernel");
+  apply_rank_verdict_kernel<<<1, 1, 0, stream>>>(overflow, world, kBitOverflow, state, sticky);
+  check_launch("apply_rank_verdict_kernel");
+}
+
+void launch_publish_op_error(int32_t* values, int64_t world, int64_t rank, int32_t op_code, cudaStream_t stream) {
+  publish_rank_value_kernel<<<1, 1, 0, stream>>>(values, world, rank, op_code);
+  check_launch("publish_rank_value_kernel");
+}
+
+void launch_apply_op_verdict(const int32_t* values, int64_t world, HandleState* state, int32_t* sticky,
+                             cudaStream_t stream) {
+  apply_rank_verdict_kernel<<<1, 1, 0, stream>>>(values, world, kBitArgument, state, sticky);
+  check_launch("apply_rank_verdict_kernel");
 }
 
 void launch_zero_if_poisoned(const HandleState* state, void* ptr, int64_t bytes, cudaStream_t stream) {

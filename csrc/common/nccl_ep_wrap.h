@@ -229,9 +229,18 @@ enum RecordField : int { kRecordBits = 0, kRecordToken = 1, kRecordChoice = 2, k
 constexpr int32_t kBitOutOfRange = 1;
 constexpr int32_t kBitRepeated = 2;
 constexpr int32_t kBitOverflow = 4;
-// An argument error found on the host by a rank's prepare (its message stays
-// on that rank; the record says only which rank).
+// An argument error found on the host by a rank's op (its message stays on
+// that rank; the record says which rank and, in kRecordValue, which op).
 constexpr int32_t kBitArgument = 8;
+// kRecordValue of a kBitArgument row: the op whose arguments were bad.
+enum OpCode : int32_t {
+  kOpPrepare = 1,
+  kOpDispatch = 2,
+  kOpDispatchFp8 = 3,
+  kOpCombine = 4,
+  kOpDispatchBwd = 5,
+  kOpCombineBwd = 6,
+};
 
 // After ncclEpUpdateHandle: records overflow, writes the rows in use to
 // state->total and total_out, and clips expert_counts so that their prefix sums
@@ -309,6 +318,14 @@ void launch_publish_overflow(const HandleState* state, int64_t capacity, int64_t
                              cudaStream_t stream);
 void launch_apply_overflow_verdict(const int32_t* overflow, int64_t world, HandleState* state, int32_t* sticky,
                                    cudaStream_t stream);
+// The ops after prepare (dispatch .. combine_bwd): every rank writes
+// `op_code` (0: its arguments are fine) into its entry of `values` ([W],
+// publish_op_error writes every entry); after a sum all-reduce,
+// apply_op_verdict poisons the rest of the step on every rank if any entry is
+// set, and keeps the record (kBitArgument rows) in `sticky` as above.
+void launch_publish_op_error(int32_t* values, int64_t world, int64_t rank, int32_t op_code, cudaStream_t stream);
+void launch_apply_op_verdict(const int32_t* values, int64_t world, HandleState* state, int32_t* sticky,
+                             cudaStream_t stream);
 // Zeroes `bytes` at `ptr` (16-byte aligned) if the step is poisoned.
 void launch_zero_if_poisoned(const HandleState* state, void* ptr, int64_t bytes, cudaStream_t stream);
 

@@ -91,17 +91,29 @@ class Backend {
   // Raises an error the device checks agreed on and the host has not raised
   // yet (waits for the GPU); a no-op where errors are raised in the op.
   virtual void raise_pending_errors() {}
-  // The "device" check mode's argument errors (comm_ops.cpp): a prepare whose
+  // The "device" check mode's argument errors (comm_ops.cpp). A prepare whose
   // arguments are bad on this rank runs on a substitute routing (no tokens)
   // and marks the step failed in the routing agreement, so every rank sends
   // nothing, zeroes the step's outputs and raises at its next prepare or
-  // raise_pending_errors, this rank with `error` itself. Until this rank's
-  // next prepare, failed_here() is true and its ops run on substitutes.
+  // raise_pending_errors, this rank with `error` itself.
   virtual std::tuple<at::Tensor, at::Tensor> prepare_failed(const std::string& error) {
     TORCH_CHECK(false, error);
     return {};
   }
-  virtual bool failed_here() const { return false; }
+  // Every op after prepare (dispatch .. combine_bwd) first agrees on its
+  // arguments on the device: each rank passes its own argument error of `op`
+  // ("" if none), one small all-reduce tells every rank whether any rank's
+  // were bad, and if so the rest of the step is poisoned on every rank (its
+  // outputs are zeros) and the error is kept for raise_pending_errors (now)
+  // or the handle's prepare after next (the next one's host copy of the
+  // record is made before this op's verdict is known; waiting for it would
+  // be a host sync). Returns true when this rank must run the op on
+  // substitutes of the prepared shapes, so that the others' collective
+  // completes: its arguments are bad now, or its step already failed here.
+  virtual bool agree_on_op(const char* op, const std::string& local_error) {
+    TORCH_CHECK(false, "te_ep.", op, ": the device check mode needs the nccl_ep backend");
+    return false;
+  }
   // Called after each op of `handle_id` was launched: the nccl_ep backend
   // hands a completion marker to the watchdog (csrc/common/watchdog.h), whose
   // kernels would otherwise wait for a lost rank forever. A no-op where the

@@ -229,25 +229,46 @@ void check_num_tokens(ArgCheck& check, HandleEntry& h, const at::Tensor& handle_
       num_tokens);
 }
 
-// ---- a step that failed on this rank (the "device" check mode) -----------------
-// After Backend::prepare_failed, this rank's ops of the step run on substitutes
-// (no tokens, zero rows), so the other ranks' collectives complete, and return
-// zeros in the shapes their fake kernels give; the error is raised on every
-// rank at the next prepare or EpHandle.check(). Errors of their own arguments
-// are not checked: the step is already failed.
+// ---- the ops after prepare in the "device" check mode --------------------------
+// Every rank first agrees on the op's argument errors on the device
+// (Backend::agree_on_op). A rank whose arguments are bad, or whose step already
+// failed (a bad prepare, or an earlier op of the step), then runs the op on
+// substitutes: zero rows of the prepared shapes, so the other ranks'
+// collective completes. It returns zeros in the shapes the op's fake kernel
+// gives for the caller's arguments; every other rank's outputs are zeroed by
+// the poisoned step. The error is raised on every rank by EpHandle.check() or
+// a later prepare. Elsewhere the ranks agree on errors by agree_on_errors.
+template <typename Real, typename Substitute>
+auto run_step_op(HandleEntry& h, int64_t handle_id, const char* op, const std::string& error, Real&& real,
+                 Substitute&& substitute) -> decltype(real()) {
+  if (h.backend->check_mode() != "device") return run_op(h, handle_id, op, error, real);
+  return run_op(h, handle_id, op, "", [&] { return h.backend->agree_on_op(op, error) ? substitute() : real(); });
+}
+
+// Rows of the last prepare on this rank (0 after a failed prepare).
+int64_t prepared_rows(HandleEntry& h, const at::Tensor& handle_mem) {
+  return std::max<int64_t>(h.backend->prepared_num_tokens(handle_mem), 0);
+}
+
 at::Tensor zero_rows(const HandleConfig& cfg, int64_t rows, int64_t cols, at::ScalarType dtype) {
-  return at::zeros({rows, cols}, at::TensorOptions().dtype(dtype).device(cfg.device));
+  return at::zeros({std::max<int64_t>(rows, 0), std::max<int64_t>(cols, 0)},
+                   at::TensorOptions().dtype(dtype).device(cfg.device));
 }
 
 // [rows, t.size(1)] of t's dtype when t is 2-D (the fake kernel's shape), else
-// [rows, hidden] of the handle's dtype.
-at::Tensor zero_rows_like(const HandleConfig& cfg, const at::Tensor& t, int64_t rows) {
+// [rows, cols] of `dtype`.
+at::Tensor zero_rows_like(const HandleConfig& cfg, const at::Tensor& t, int64_t rows, int64_t cols,
+                          at::ScalarType dtype) {
   if (t.defined() && t.dim() == 2) return zero_rows(cfg, rows, t.size(1), t.scalar_type());
-  return zero_rows(cfg, rows, cfg.hidden, cfg.dtype);
+  return zero_rows(cfg, rows, cols, dtype);
+}
+
+at::Tensor zero_rows_like(const HandleConfig& cfg, const at::Tensor& t, int64_t rows) {
+  return zero_rows_like(cfg, t, rows, cfg.hidden, cfg.dtype);
 }
 
 at::Tensor zero_weights(const HandleConfig& cfg, int64_t rows) {
-  return at::zeros({rows}, at::TensorOptions().dtype(at::kFloat).device(cfg.device));
+  return at::zeros({std::max<int64_t>(rows, 0)}, at::TensorOptions().dtype(at::kFloat).device(cfg.device));
 }
 
 std::tuple<int64_t, at::Tensor> create_handle(
@@ -418,13 +439,6 @@ std::tuple<at::Tensor, at::Tensor> dispatch(
   handle_id = resolve_id("dispatch", handle_id, handle_key);
   auto h = lookup("dispatch", handle_id);
   const HandleConfig& cfg = h->cfg;
-  if (h->backend->failed_here()) {
-    return run_op(*h, handle_id, "dispatch", "", [&] {
-      h->backend->dispatch(zero_rows(cfg, 0, cfg.hidden, cfg.dtype), zero_rows(cfg, 0, cfg.top_k, at::kFloat),
-                           handle_mem);
-      return std::make_tuple(zero_rows_like(cfg, tokens, cfg.capacity), zero_weights(cfg, cfg.capacity));
-    });
-  }
   ArgCheck check("dispatch", cfg);
   check_common(check, *h, handle_mem, group_name);
   check.require(capacity == cfg.capacity, "capacity must be ", cfg.capacity, " (the handle's), got ", capacity);
@@ -433,8 +447,15 @@ std::tuple<at::Tensor, at::Tensor> dispatch(
   check.dtype(topk_weights, "topk_weights", at::kFloat, "");
   check.size(topk_weights, "topk_weights", 0, check.ok() ? tokens.size(0) : 0, "num_tokens");
   check.size(topk_weights, "topk_weights", 1, cfg.top_k, "the handle's top_k");
-  return run_op(*h, handle_id, "dispatch", check.error(),
-                [&] { return h->backend->dispatch(tokens, topk_weights, handle_mem); });
+  return run_step_op(
+      *h, handle_id, "dispatch", check.error(),
+      [&] { return h->backend->dispatch(tokens, topk_weights, handle_mem); },
+      [&] {
+        const int64_t rows = prepared_rows(*h, handle_mem);
+        h->backend->dispatch(zero_rows(cfg, rows, cfg.hidden, cfg.dtype), zero_rows(cfg, rows, cfg.top_k, at::kFloat),
+                             handle_mem);
+        return std::make_tuple(zero_rows_like(cfg, tokens, capacity), zero_weights(cfg, capacity));
+      });
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_fp8(
@@ -444,16 +465,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_fp8(
   handle_id = resolve_id("dispatch_fp8", handle_id, handle_key);
   auto h = lookup("dispatch_fp8", handle_id);
   const HandleConfig& cfg = h->cfg;
-  if (h->backend->failed_here() && cfg.dispatch_dtype == at::kFloat8_e4m3fn) {
-    return run_op(*h, handle_id, "dispatch_fp8", "", [&] {
-      h->backend->dispatch_fp8(zero_rows(cfg, 0, cfg.hidden, at::kFloat8_e4m3fn),
-                               zero_rows(cfg, 0, cfg.hidden / kFp8Block, at::kFloat),
-                               zero_rows(cfg, 0, cfg.top_k, at::kFloat), handle_mem);
-      return std::make_tuple(zero_rows(cfg, cfg.capacity, cfg.hidden, at::kFloat8_e4m3fn),
-                             zero_rows(cfg, cfg.capacity, cfg.hidden / kFp8Block, at::kFloat),
-                             zero_weights(cfg, cfg.capacity));
-    });
-  }
   ArgCheck check("dispatch_fp8", cfg);
   check_common(check, *h, handle_mem, group_name);
   check.require(cfg.dispatch_dtype == at::kFloat8_e4m3fn, "the handle was created without FP8 dispatch; create it "
@@ -472,8 +483,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_fp8(
   check.dtype(topk_weights, "topk_weights", at::kFloat, "");
   check.size(topk_weights, "topk_weights", 0, num_tokens, "num_tokens");
   check.size(topk_weights, "topk_weights", 1, cfg.top_k, "the handle's top_k");
-  return run_op(*h, handle_id, "dispatch_fp8", check.error(),
-                [&] { return h->backend->dispatch_fp8(values, scales, topk_weights, handle_mem); });
+  return run_step_op(
+      *h, handle_id, "dispatch_fp8", check.error(),
+      [&] { return h->backend->dispatch_fp8(values, scales, topk_weights, handle_mem); },
+      [&] {
+        // A handle without FP8 dispatch (the same on every rank: create_handle
+        // agrees on it) moves the substitute rows in its own dtype.
+        const int64_t rows = prepared_rows(*h, handle_mem);
+        if (cfg.dispatch_dtype == at::kFloat8_e4m3fn) {
+          h->backend->dispatch_fp8(zero_rows(cfg, rows, cfg.hidden, at::kFloat8_e4m3fn),
+                                   zero_rows(cfg, rows, cfg.hidden / kFp8Block, at::kFloat),
+                                   zero_rows(cfg, rows, cfg.top_k, at::kFloat), handle_mem);
+        } else {
+          h->backend->dispatch(zero_rows(cfg, rows, cfg.hidden, cfg.dtype), zero_rows(cfg, rows, cfg.top_k, at::kFloat),
+                               handle_mem);
+        }
+        return std::make_tuple(zero_rows_like(cfg, values, capacity, cfg.hidden, at::kFloat8_e4m3fn),
+                               zero_rows_like(cfg, scales, capacity, cfg.hidden / kFp8Block, at::kFloat),
+                               zero_weights(cfg, capacity));
+      });
 }
 
 at::Tensor combine(
@@ -483,18 +511,18 @@ at::Tensor combine(
   handle_id = resolve_id("combine", handle_id, handle_key);
   auto h = lookup("combine", handle_id);
   const HandleConfig& cfg = h->cfg;
-  if (h->backend->failed_here()) {
-    return run_op(*h, handle_id, "combine", "", [&] {
-      h->backend->combine(zero_rows(cfg, cfg.capacity, cfg.hidden, cfg.dtype), handle_mem, 0);
-      return zero_rows_like(cfg, expert_out, std::max<int64_t>(num_tokens, 0));
-    });
-  }
   ArgCheck check("combine", cfg);
   check_common(check, *h, handle_mem, group_name);
   check_recv_rows(check, cfg, expert_out, "expert_out");
   check_num_tokens(check, *h, handle_mem, num_tokens);
-  return run_op(*h, handle_id, "combine", check.error(),
-                [&] { return h->backend->combine(expert_out, handle_mem, num_tokens); });
+  return run_step_op(
+      *h, handle_id, "combine", check.error(),
+      [&] { return h->backend->combine(expert_out, handle_mem, num_tokens); },
+      [&] {
+        h->backend->combine(zero_rows(cfg, cfg.capacity, cfg.hidden, cfg.dtype), handle_mem,
+                            prepared_rows(*h, handle_mem));
+        return zero_rows_like(cfg, expert_out, num_tokens);
+      });
 }
 
 std::tuple<at::Tensor, at::Tensor> dispatch_bwd(
@@ -504,15 +532,6 @@ std::tuple<at::Tensor, at::Tensor> dispatch_bwd(
   handle_id = resolve_id("dispatch_bwd", handle_id, handle_key);
   auto h = lookup("dispatch_bwd", handle_id);
   const HandleConfig& cfg = h->cfg;
-  if (h->backend->failed_here()) {
-    return run_op(*h, handle_id, "dispatch_bwd", "", [&] {
-      h->backend->dispatch_bwd(zero_rows(cfg, cfg.capacity, cfg.hidden, cfg.dtype), zero_weights(cfg, cfg.capacity),
-                               handle_mem, 0);
-      const int64_t rows = std::max<int64_t>(num_tokens, 0);
-      return std::make_tuple(zero_rows_like(cfg, grad_recv_tokens, rows),
-                             zero_rows(cfg, rows, std::max<int64_t>(top_k, 0), at::kFloat));
-    });
-  }
   ArgCheck check("dispatch_bwd", cfg);
   check_common(check, *h, handle_mem, group_name);
   check.require(top_k == cfg.top_k, "top_k must be ", cfg.top_k, " (the handle's), got ", top_k);
@@ -521,10 +540,17 @@ std::tuple<at::Tensor, at::Tensor> dispatch_bwd(
   check.dtype(grad_recv_weights, "grad_recv_weights", at::kFloat, "");
   check.size(grad_recv_weights, "grad_recv_weights", 0, cfg.capacity, "the handle's capacity");
   check_num_tokens(check, *h, handle_mem, num_tokens);
-  return run_op(*h, handle_id, "dispatch_bwd", check.error(),
-                [&] {
-                  return h->backend->dispatch_bwd(grad_recv_tokens, grad_recv_weights, handle_mem, num_tokens);
-                });
+  return run_step_op(
+      *h, handle_id, "dispatch_bwd", check.error(),
+      [&] { return h->backend->dispatch_bwd(grad_recv_tokens, grad_recv_weights, handle_mem, num_tokens); },
+      [&] {
+        h->backend->dispatch_bwd(zero_rows(cfg, cfg.capacity, cfg.hidden, cfg.dtype), zero_weights(cfg, cfg.capacity),
+                                 handle_mem, prepared_rows(*h, handle_mem));
+        const at::ScalarType weights_dtype =
+            grad_recv_weights.defined() ? grad_recv_weights.scalar_type() : at::kFloat;
+        return std::make_tuple(zero_rows_like(cfg, grad_recv_tokens, num_tokens),
+                               zero_rows(cfg, num_tokens, top_k, weights_dtype));
+      });
 }
 
 at::Tensor combine_bwd(
@@ -534,18 +560,16 @@ at::Tensor combine_bwd(
   handle_id = resolve_id("combine_bwd", handle_id, handle_key);
   auto h = lookup("combine_bwd", handle_id);
   const HandleConfig& cfg = h->cfg;
-  if (h->backend->failed_here()) {
-    return run_op(*h, handle_id, "combine_bwd", "", [&] {
-      h->backend->combine_bwd(zero_rows(cfg, 0, cfg.hidden, cfg.dtype), handle_mem);
-      return zero_rows_like(cfg, grad_out, cfg.capacity);
-    });
-  }
   ArgCheck check("combine_bwd", cfg);
   check_common(check, *h, handle_mem, group_name);
   check.require(capacity == cfg.capacity, "capacity must be ", cfg.capacity, " (the handle's), got ", capacity);
   check_token_rows(check, *h, handle_mem, grad_out, "grad_out");
-  return run_op(*h, handle_id, "combine_bwd", check.error(),
-                [&] { return h->backend->combine_bwd(grad_out, handle_mem); });
+  return run_step_op(
+      *h, handle_id, "combine_bwd", check.error(), [&] { return h->backend->combine_bwd(grad_out, handle_mem); },
+      [&] {
+        h->backend->combine_bwd(zero_rows(cfg, prepared_rows(*h, handle_mem), cfg.hidden, cfg.dtype), handle_mem);
+        return zero_rows_like(cfg, grad_out, capacity);
+      });
 }
 
 }  // namespace

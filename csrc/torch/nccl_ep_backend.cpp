@@ -268,6 +268,30 @@ class WindowRows {
   std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> handed_out_;
 };
 
+// The ops whose argument errors the device checks agree on (kRecordValue of
+// a kBitArgument row).
+int32_t op_code(const std::string& op) {
+  if (op == "prepare") return ne::kOpPrepare;
+  if (op == "dispatch") return ne::kOpDispatch;
+  if (op == "dispatch_fp8") return ne::kOpDispatchFp8;
+  if (op == "combine") return ne::kOpCombine;
+  if (op == "dispatch_bwd") return ne::kOpDispatchBwd;
+  if (op == "combine_bwd") return ne::kOpCombineBwd;
+  TORCH_CHECK(false, "te_ep: no device-check code for op '", op, "'");
+  return 0;
+}
+
+std::string op_name(int32_t code) {
+  switch (code) {
+    case ne::kOpDispatch: return "dispatch";
+    case ne::kOpDispatchFp8: return "dispatch_fp8";
+    case ne::kOpCombine: return "combine";
+    case ne::kOpDispatchBwd: return "dispatch_bwd";
+    case ne::kOpCombineBwd: return "combine_bwd";
+    default: return "prepare";
+  }
+}
+
 class NcclEpBackend final : public Backend {
  public:
   NcclEpBackend(const HandleConfig& cfg, std::shared_ptr<ne::Group> group, bool check_routing,
@@ -299,9 +323,11 @@ class NcclEpBackend final : public Backend {
     record_host_dev_ = static_cast<int32_t*>(record_host_dev);
     C10_CUDA_CHECK(cudaEventCreateWithFlags(&overflow_ready_, cudaEventDisableTiming));
     if (device_checks_) {
-      // [W * kRecordInts] routing record, then [W] overflow record; the sticky
-      // record ([1 + W * kRecordInts]) and its host copy.
+      // [W * kRecordInts] routing record, then [W] overflow record; the later
+      // ops' record ([W]); the sticky record ([1 + W * kRecordInts]) and its
+      // host copy.
       record_ = at::zeros({cfg_.ep_size * (ne::kRecordInts + 1)}, ints);
+      op_record_ = at::zeros({cfg_.ep_size}, ints);
       sticky_ = at::zeros({1 + cfg_.ep_size * ne::kRecordInts}, ints);
       sticky_host_ = at::zeros({1 + cfg_.ep_size * ne::kRecordInts},
                                at::TensorOptions().dtype(at::kInt).pinned_memory(true));
@@ -329,6 +355,7 @@ class NcclEpBackend final : public Backend {
       new at::Tensor(std::move(unrouted_));
       (void)record_host_.release();
       new at::Tensor(std::move(record_));
+      new at::Tensor(std::move(op_record_));
       new at::Tensor(std::move(sticky_));
       new at::Tensor(std::move(sticky_host_));
       return;
@@ -408,7 +435,27 @@ class NcclEpBackend final : public Backend {
     return result;
   }
 
-  bool failed_here() const override { return failed_here_; }
+  bool agree_on_op(const char* op, const std::string& local_error) override {
+    TORCH_CHECK(device_checks_, "te_ep.", op, ": agree_on_op needs TE_EP_DEVICE_CHECKS=1");
+    // No routing on this rank: no collective to join; raised here, as in the
+    // other check modes (every rank that skipped prepare does the same).
+    if (prepared_num_tokens_ < 0) TORCH_CHECK(local_error.empty(), local_error);
+    require_prepared(op);
+    c10::cuda::CUDAGuard guard(cfg_.device);
+    cudaStream_t stream = current_stream();
+    // A rank whose step already failed publishes nothing new: that step is
+    // poisoned everywhere, and its arguments no longer match the prepared rows.
+    const bool fails_now = !failed_here_ && !local_error.empty();
+    if (fails_now) {
+      failed_here_ = true;
+      keep_own_error(local_error);
+    }
+    int32_t* values = op_record_.data_ptr<int32_t>();
+    ne::launch_publish_op_error(values, cfg_.ep_size, cfg_.rank, fails_now ? op_code(op) : 0, stream);
+    group_->comm()->all_reduce_sum(values, static_cast<size_t>(cfg_.ep_size), stream);
+    ne::launch_apply_op_verdict(values, cfg_.ep_size, state(), sticky_.data_ptr<int32_t>(), stream);
+    return failed_here_;
+  }
 
  private:
   // `argument_error`: this rank's prepare arguments were bad (prepare_failed).
@@ -742,7 +789,8 @@ class NcclEpBackend final : public Backend {
                                record_.data_ptr<int32_t>(), stream);
     if (argument_error != nullptr) {  // prepare_failed: this rank's row says so
       record_.narrow(0, cfg_.rank * ne::kRecordInts + ne::kRecordBits, 1).fill_(ne::kBitArgument);
-      own_argument_error_ = *argument_error;
+      record_.narrow(0, cfg_.rank * ne::kRecordInts + ne::kRecordValue, 1).fill_(ne::kOpPrepare);
+      keep_own_error(*argument_error);
     }
     group_->comm()->all_reduce_sum(record_.data_ptr<int32_t>(), static_cast<size_t>(routing_ints), stream);
     at::Tensor agreed = at::empty_like(idx);
@@ -766,6 +814,13 @@ class NcclEpBackend final : public Backend {
     for (const at::Tensor& t : outputs) ne::launch_zero_if_poisoned(state(), t.data_ptr(), t.nbytes(), stream);
   }
 
+  // This rank's argument error, kept to name it when the agreed error is
+  // raised. The first one wins, as in the sticky record (keep_first): a later
+  // error of the same handle is not in the record that will be raised.
+  void keep_own_error(const std::string& error) {
+    if (own_argument_error_.empty()) own_argument_error_ = error;
+  }
+
   // Raises the agreed error of an earlier step, identically on every rank: the
   // sticky record every rank holds is the same. `wait`: the host waits for the
   // copy made after that step's prepare (long done by the next step's).
@@ -784,17 +839,18 @@ class NcclEpBackend final : public Backend {
   std::string agreed_error_message(const int32_t* record) const {
     std::ostringstream msg;
     msg << "te_ep.prepare: an earlier step of this handle failed on the device checks of every rank "
-           "(TE_EP_DEVICE_CHECKS=1); that step sent nothing or returned zeros, and no rank used its outputs as "
-           "valid:";
+           "(TE_EP_DEVICE_CHECKS=1); that step sent nothing or returned zeros (from the failing op on), and no "
+           "rank used its outputs as valid:";
     for (int64_t r = 0; r < cfg_.ep_size; ++r) {
       const int32_t* row = record + r * ne::kRecordInts;
       const int32_t bits = row[ne::kRecordBits];
       if (bits == 0) continue;
       msg << "\n  rank " << r << ": ";
       if (bits & ne::kBitArgument) {
-        msg << "bad arguments to te_ep.prepare";
+        const std::string op = op_name(row[ne::kRecordValue]);
+        msg << "bad arguments to te_ep." << op;
         if (r == cfg_.rank && !own_argument_error_.empty()) {
-          const std::string prefix = "te_ep.prepare: ";
+          const std::string prefix = "te_ep." + op + ": ";
           const bool named = own_argument_error_.rfind(prefix, 0) == 0;
           msg << ": " << own_argument_error_.substr(named ? prefix.size() : 0);
         } else {
@@ -901,9 +957,9 @@ class NcclEpBackend final : public Backend {
   ne::DType dtype_;
   bool check_routing_;
   bool device_checks_;
-  // Device checks: the message of prepare_failed once its step is published,
-  // kept to name it when the agreed error is raised; and whether this rank's
-  // ops run on substitutes until its next prepare.
+  // Device checks: this rank's first argument error not raised yet
+  // (keep_own_error), and whether this rank's ops run on substitutes until
+  // its next prepare.
   std::string own_argument_error_;
   bool failed_here_ = false;
   bool zero_copy_;
@@ -924,6 +980,7 @@ class NcclEpBackend final : public Backend {
   cudaEvent_t overflow_ready_ = nullptr;
   bool overflow_pending_ = false;
   at::Tensor record_;
+  at::Tensor op_record_;
   at::Tensor sticky_;
   at::Tensor sticky_host_;
   cudaEvent_t sticky_ready_ = nullptr;

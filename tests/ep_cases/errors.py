@@ -689,6 +689,103 @@ def case_device_checks_arguments(ctx) -> None:
     group.shutdown()
 
 
+def case_device_checks_op_arguments(ctx) -> None:
+    """nccl_ep with TE_EP_DEVICE_CHECKS=1: bad arguments on one rank to an op after a good
+    prepare (dispatch, dispatch_fp8, combine, combine_bwd) are agreed on the device by that op
+    (docs/ops.md, "Check modes"). No rank raises in the step; that op and every later op of the
+    step return zeros on every rank (gradients included), the ops before it are exact; every
+    rank raises at check(), or else at the handle's prepare after next (the next prepare and its
+    step are exact), naming the faulty rank and the op, the faulty rank with its own error; the
+    first error of a handle is the one raised; exact steps follow."""
+    W, r, last = ctx.world_size, ctx.rank, ctx.rank == ctx.world_size - 1
+    dev, st = torch.device(ctx.device), ERROR_STEP
+    with _device_checks_env():
+        group = make_group(ctx, st)
+        handle = group.create_handle(top_k=st.top_k, hidden=st.hidden, dtype=st.torch_dtype())
+    assert handle.check_mode == "device", handle.check_mode
+    idx_all, w_all = all_inputs(st, W)
+    idx, w0 = idx_all[r].to(dev), w_all[r].to(dev)
+    T, H, dtype = idx.shape[0], st.hidden, st.torch_dtype()
+    x0 = fingerprint(r, T, H, dtype).to(dev)
+
+    def says(h, op: str, mine: str):
+        return [f"handle {h.id}", f"rank {W - 1}: bad arguments to te_ep.{op}"
+                + (f": {mine}" if last else " (that rank's error names them)")]
+
+    def zeros(where: str, **tensors) -> None:
+        for name, t in tensors.items():
+            t = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+            assert not t.any(), f"rank {r} {where}: {name} must be zeros"
+
+    def step(x=x0, prepared=None, num_tokens=T):
+        out = te.ep_dispatch(handle, x, idx, w0, prepared=prepared)
+        y = te.ep_combine(handle, out.tokens * out.weights[:, None].to(out.tokens.dtype), num_tokens)
+        return out, y
+
+    run_exact_step(ctx, group, handle, st, r, W, tag="device-checked op arguments, before: ")
+    clean_out, clean_y = step()
+    clean_recv, clean_y = clean_out.tokens.clone(), clean_y.clone()
+
+    # dispatch: tokens of the wrong dtype on the faulty rank. The whole step and its backward are zeros.
+    x = (x0.half() if last else x0.clone()).requires_grad_()
+    w = w0.clone().requires_grad_()
+    out = te.ep_dispatch(handle, x, idx, w)
+    y = te.ep_combine(handle, out.tokens * out.weights[:, None].to(out.tokens.dtype), T)
+    y.float().sum().backward()
+    assert y.shape == x.shape and y.dtype == x.dtype, (y.shape, y.dtype, x.shape, x.dtype)
+    zeros("bad dispatch", received_tokens=out.tokens, received_weights=out.weights, combine_output=y,
+          grad_tokens=x.grad, grad_weights=w.grad)
+    bad_dtype = "tokens must be torch.bfloat16 (the handle's dtype), got torch.float16"
+    expect_raises(handle.check, *says(handle, "dispatch", bad_dtype))
+    handle.check()  # raised once
+    run_exact_step(ctx, group, handle, st, r, W, tag="device-checked op arguments, after dispatch: ")
+
+    # combine: a wrong num_tokens on the faulty rank. Dispatch is exact, the combine zeros; the
+    # next prepare does not know yet (its record was copied before the combine's verdict): its
+    # step is exact, and the prepare after it raises.
+    out, y = step(num_tokens=T + 1 if last else T)
+    # (the order of rows within an expert's zone is NCCL EP's: compare each column's values)
+    torch.testing.assert_close(out.tokens.float().sort(dim=0).values, clean_recv.float().sort(dim=0).values,
+                               atol=0, rtol=0, msg=lambda m: f"rank {r}: dispatch before a bad combine: {m}")
+    assert y.shape == (T + 1 if last else T, H), y.shape
+    zeros("bad combine", combine_output=y)
+    _, y = step(prepared=handle.prepare(idx))
+    torch.testing.assert_close(y, clean_y, atol=0, rtol=0, msg=lambda m: f"rank {r}: the step after: {m}")
+    expect_raises(lambda: handle.prepare(idx), *says(handle, "combine", f"num_tokens must be {T} (tokens of the "
+                                                                        f"last prepare), got {T + 1}"))
+    run_exact_step(ctx, group, handle, st, r, W, tag="device-checked op arguments, after combine: ")
+
+    # combine_bwd, called as the op: grad_out of the wrong hidden on the faulty rank
+    step()
+    grad = torch.ones(T, H + 1 if last else H, dtype=dtype, device=dev)
+    grad_recv = te.ops.combine_bwd(grad, handle.handle_mem, group.group_name, handle.id, handle.config.capacity)
+    assert grad_recv.shape == (handle.config.capacity, grad.shape[1]), grad_recv.shape
+    zeros("bad combine_bwd", grad_expert_out=grad_recv)
+    expect_raises(handle.check, *says(handle, "combine_bwd", f"grad_out.size(1) must be {H} (the handle's hidden), "
+                                                             f"got {H + 1}"))
+    run_exact_step(ctx, group, handle, st, r, W, tag="device-checked op arguments, after combine_bwd: ")
+
+    # The first error of the handle is raised: a bad dispatch, then bad arguments to the next prepare.
+    step(x=x0.half() if last else x0)
+    handle.prepare(idx.float() if last else idx)
+    expect_raises(lambda: handle.prepare(idx), *says(handle, "dispatch", bad_dtype))
+    run_exact_step(ctx, group, handle, st, r, W, tag="device-checked op arguments, after two errors: ")
+
+    # dispatch_fp8: scales of the wrong shape on the faulty rank (nccl_ep's FP8 needs hidden % 512 == 0)
+    st8 = dataclasses.replace(st, hidden=512)
+    with _device_checks_env():
+        h8 = group.create_handle(top_k=st8.top_k, hidden=st8.hidden, dtype=dtype,
+                                 dispatch_dtype=torch.float8_e4m3fn)
+    values, scales = te.quantize_fp8(fingerprint(r, T, st8.hidden, dtype).to(dev))
+    if last:
+        scales = torch.cat([scales, scales[:, :1]], dim=1)
+    out8 = te.ep_dispatch_fp8(h8, values, idx, w0, scales=scales)
+    zeros("bad dispatch_fp8", received_values=out8.values, received_scales=out8.scales, received_weights=out8.weights)
+    expect_raises(h8.check, *says(h8, "dispatch_fp8", "scales.size(1) must be 4 (one scale per 128 values), got 5"))
+    run_exact_step(ctx, group, h8, st8, r, W, tag="device-checked op arguments, after dispatch_fp8: ")
+    group.shutdown()
+
+
 def case_device_checks(ctx) -> None:
     """nccl_ep with TE_EP_DEVICE_CHECKS=1 (docs/ops.md, "Faults and bad input"): a step whose
     routing is bad on one rank runs on every rank without raising, sends nothing (zero

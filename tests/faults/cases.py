@@ -37,6 +37,7 @@ from ep_cases.common import (
     Step,
     all_inputs,
     check_recv,
+    expect_raises,
     expected_layout,
     fingerprint,
     make_group,
@@ -163,12 +164,21 @@ def _check_outputs(f, env: Env, out, y, idx_all: list, guarded_all: Optional[lis
 
 
 def _input_fault(f, make_bad: Callable[[Env], dict]) -> None:
-    """The faulty rank passes the arguments `make_bad` returns; the others pass their own."""
+    """The faulty rank passes the arguments `make_bad` returns; the others pass their own. A
+    rank whose step completes checks its outputs and calls EpHandle.check() (where the device
+    check mode raises what it agreed on); a rank that raised then runs an exact step."""
     env = _env(f)
     kwargs = make_bad(env) if f.is_faulty else {}
-    ok, res = f.faulted(lambda: _forward(env, **kwargs))
-    if ok:
-        _check_outputs(f, env, *res, env.idx_all)
+
+    def call():
+        out, y = _forward(env, **kwargs)
+        f.sync()
+        _check_outputs(f, env, out, y, env.idx_all)
+        f.stage(CHECK)
+        env.handle.check()
+
+    ok, _ = f.faulted(call)
+    _exact_after_raise(f, env, ok)
 
 
 # The follow-ups of the faulted step (run inside the faulted call, on every rank whose step
@@ -354,10 +364,10 @@ def body_rank_sleeps_past_timeout(f) -> None:
 
 def body_bad_step_then_recovery(f) -> None:
     """Bad routing on the faulty rank, followed by EpHandle.check() in the faulted call; an exact
-    step on the same handle; in the check mode `synchronous` only (where argument errors are
-    agreed: elsewhere the other ranks are then ended by te_ep's watchdog, as in
-    tokens_dtype_one_rank), bad tokens on the faulty rank and another exact step; an exact step
-    on a new handle; shutdown."""
+    step on the same handle; where argument errors of dispatch are agreed (the check modes
+    `synchronous`, raised in the step, and `device`, raised by check(); in `local` the other
+    ranks would be ended by te_ep's watchdog, as in tokens_dtype_one_rank), bad tokens on the
+    faulty rank and another exact step; an exact step on a new handle; shutdown."""
     W, faulty = f.world_size, f.faulty
     env = _env(f)
     E = env.group.num_experts
@@ -366,12 +376,19 @@ def body_bad_step_then_recovery(f) -> None:
     _faulted_step(f, env, bad_all, env.idx_all, [_guarded(i, E) for i in bad_all], CHECK)
     exact = lambda h, tag: run_exact_step(f, env.group, h, STEP, f.rank, W, tag=tag)  # noqa: E731
     f.recover("exact step, same handle", lambda: exact(env.handle, "after bad routing: "))
-    if env.handle.check_mode == "synchronous":
-        f.recover(
-            f"tokens of the wrong dtype on rank {faulty}: every rank raises",
-            lambda: check_collective_error(f, lambda: _forward(env, x=env.x.half() if f.is_faulty else None),
-                                           {faulty}, ["tokens", "torch.float16"]),
-        )
+    bad_tokens = lambda: _forward(env, x=env.x.half() if f.is_faulty else None)  # noqa: E731
+    mode = env.handle.check_mode
+    if mode == "synchronous":
+        f.recover(f"tokens of the wrong dtype on rank {faulty}: every rank raises",
+                  lambda: check_collective_error(f, bad_tokens, {faulty}, ["tokens", "torch.float16"]))
+    elif mode == "device":
+        def then_check():
+            bad_tokens()  # nothing raised in the step
+            expect_raises(env.handle.check, f"rank {faulty}: bad arguments to te_ep.dispatch",
+                          f"handle {env.handle.id}")
+
+        f.recover(f"tokens of the wrong dtype on rank {faulty}: every rank raises at check()", then_check)
+    if mode in ("synchronous", "device"):
         f.recover("exact step, same handle, again", lambda: exact(env.handle, "after bad tokens: "))
 
     def new_handle():
@@ -467,11 +484,6 @@ NOT_MEASURED = "declared from the code and docs/ops.md ('Check modes'), not yet 
 NCCL_EP_WATCHDOG_SHORTFALL = (NOT_MEASURED + "no Python exception on the waiting ranks; te_ep's watchdog ends them "
                               "(exit code 70) with a message naming the op, the handle, the group and the rank, but "
                               "not the rank at fault")
-NCCL_EP_DEVICE_ARG_SHORTFALL = (NOT_MEASURED + "the device check mode agrees on routing, capacity and prepare's "
-                                "arguments only; an argument error of a later op (here dispatch) raises on the "
-                                "faulty rank alone, and the others, inside NCCL EP's "
-                                "dispatch, are ended by te_ep's watchdog (exit code 70) one process-group timeout "
-                                "after the launch, with a message that does not name the rank at fault")
 NCCL_EP_LOCAL_SHORTFALL = (NOT_MEASURED + "check mode `local`: nothing is raised in the step, which completes on "
                            "every rank; only the faulty rank raises, a step late (at its next prepare, or "
                            "EpHandle.check()); where that is its next prepare, the others are inside NCCL EP's "
@@ -569,19 +581,26 @@ _PREPARE_ARG_CONTRACT = _arg_error("prepare", "topk_idx must be torch.int64 or t
     recovers=True)
 
 
-def _arg_case(name, fault, body, faulty, op, says) -> Case:
-    contract = _arg_error(op, *says)
+def _arg_case(name, fault, body, faulty, op, says, own) -> Case:
+    """An argument error of `op`, a step op after a good prepare: `says`, the contract's words
+    for the faulty rank; `own`, its whole message (the device check mode repeats it)."""
+    contract = _arg_error(op, *says).but(recovers=True)
+    bad = "rank {faulty}: bad arguments to te_ep." + op
     return Case(
-        name, fault, body, faulty, contract,
+        name, fault + "; then EpHandle.check()", body, faulty, contract,
         behaviour={
             "reference": contract,
             # the faulty rank raises its own message at once; the others go on into NCCL EP's
             # dispatch, whose kernels wait for it without a limit, until te_ep's watchdog ends
             # them one process-group timeout after the launch
-            "nccl_ep": _watchdog_ends(contract, op, raising="faulty", watchdog="others"),
+            "nccl_ep": _watchdog_ends(contract, op, raising="faulty", watchdog="others", recovers=False),
             "nccl_ep+check": _check_routing(contract, others=f"te_ep.{op} failed on rank {{faulty}}"),
-            "nccl_ep+device": _watchdog_ends(contract, op, NCCL_EP_DEVICE_ARG_SHORTFALL, raising="faulty",
-                                             watchdog="others"),
+            # agreed on the device by the op itself (agree_on_op in nccl_ep_backend.cpp): the
+            # faulty rank's op runs on zero substitutes, every rank's outputs of the step are
+            # zeros, and check() raises on every rank; the faulty rank's message holds its own error
+            "nccl_ep+device": _device(contract, CHECK, bad).but(
+                faulty_says=(DEVICE_SAYS, f"{bad}: {own}"),
+                others_say=(DEVICE_SAYS, f"{bad} (that rank's error names them)")),
         },
     )
 
@@ -661,9 +680,11 @@ CASES = [
         },
     ),
     _arg_case("tokens_dtype_one_rank", "tokens of the wrong dtype (float16 for a bfloat16 handle) on one rank",
-              body_tokens_dtype, lambda W: W - 1, "dispatch", ("tokens", "torch.bfloat16", "torch.float16")),
+              body_tokens_dtype, lambda W: W - 1, "dispatch", ("tokens", "torch.bfloat16", "torch.float16"),
+              "tokens must be torch.bfloat16 (the handle's dtype), got torch.float16"),
     _arg_case("tokens_hidden_one_rank", "tokens of the wrong hidden size on one rank",
-              body_tokens_hidden, lambda W: 0, "dispatch", ("tokens.size(1)", "{H}", "{H1}")),
+              body_tokens_hidden, lambda W: 0, "dispatch", ("tokens.size(1)", "{H}", "{H1}"),
+              "tokens.size(1) must be {H} (the handle's hidden), got {H1}"),
     Case(
         "handle_config_mismatch",
         "create_handle with a different hidden on one rank",
