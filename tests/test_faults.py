@@ -512,3 +512,43 @@ def test_command_line():
     assert re.search(r"^handle_config_mismatch +reference +2 +r0 raised, r1 raised .* contract ", out, re.M), out
     assert re.search(r"^tokens_hidden_one_rank +reference +2 +r0 raised, r1 raised .* contract ", out, re.M), out
     assert "2 cases in" in out, out
+
+
+def test_command_line_one_rank():
+    """--world-size 1 runs only the cases marked one_rank (the faulty rank's side) and says which
+    it skipped; at W=1 the reference backend meets the contract."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.faults", "--backend", "reference", "--world-size", "1",
+         "-k", "tokens_dtype", "rank_exits", "bad_step"],
+        cwd=_ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "Skipped, meaningless at W=1: rank_exits_mid_step" in out, out
+    assert re.search(r"^tokens_dtype_one_rank +reference +1 +r0 raised .* contract ", out, re.M), out
+    assert re.search(r"^bad_step_then_recovery +reference +1 +r0 raised .* contract ", out, re.M), out
+    assert "2 cases in" in out, out
+    assert [c.name for c in fault_cases.CASES if c.one_rank] == [
+        "expert_id_out_of_range", "expert_id_negative", "repeated_expert", "topk_idx_dtype_one_rank",
+        "tokens_dtype_one_rank", "tokens_hidden_one_rank", "bad_step_then_recovery"]
+
+
+def test_one_rank_meeting_the_contract_is_not_stale_where_the_shortfall_concerns_the_others():
+    """At W=1 the faulty rank is the only rank: nccl_ep+check's shortfall (the other ranks'
+    wording) can't be seen, so its faulty rank meeting the contract is judged as declared, not
+    STALE; the same record at W=2 with a contract-worded other rank is STALE."""
+    case = fault_cases.CASES_BY_NAME["tokens_dtype_one_rank"]
+    says = "te_ep.dispatch: tokens must be torch.bfloat16 (the handle's dtype), got torch.float16" + _HANDLE
+    one = CaseResult(case=case.name, config=RunConfig(backend="nccl_ep", device="cuda", world_size=1,
+                                                      pg_timeout_s=NCCL_PG_S, check_routing=True),
+                     faulty=case.faulty(1), ranks=[_r(0, "raised", says, failed_in="step", recovery=_OK)])
+    verdict, problems = judge(case, one)
+    assert verdict == "shortfall" and "W >= 2" in problems[0], (verdict, problems)
+    two = _documented(case.name, "nccl_ep+check", [
+        _r(0, "raised", "te_ep.dispatch failed on another rank: rank 1: " + says, failed_in="step", recovery=_OK),
+        _r(1, "raised", says, failed_in="step", recovery=_OK)])
+    assert judge(case, two)[0] == "STALE"
+    # at W=1 a record that breaks the declaration is still UNEXPECTED
+    one.ranks[0].output, one.ranks[0].status = "wrong: rank 0: combine output differs", "completed"
+    assert judge(case, one)[0] == "UNEXPECTED"

@@ -3,6 +3,9 @@
     python3 -m tests.faults --backend reference --world-size 2
     python3 -m tests.faults --backend nccl_ep --device cuda --world-size 2 [--check-routing | --device-checks]
 
+`--world-size 1` (one GPU) runs only the cases marked `one_rank`: the fault is then on the
+only rank, so it measures the faulty rank's side and nothing about the others.
+
 The runner launches the W processes of each case itself (no torchrun): on CUDA, rank r
 uses GPU r % device_count and an NCCL process group. Verdicts: ``contract`` (meets it),
 ``shortfall`` (as declared in tests/faults/cases.py, short of the contract), ``UNEXPECTED``
@@ -58,8 +61,8 @@ def main(argv=None) -> int:
     ap.add_argument("-v", "--verbose", action="store_true", help="every rank's record after each row")
     args = ap.parse_args(argv)
 
-    if args.world_size < 2:
-        ap.error("--world-size must be at least 2 (a fault on one rank, the others running the step)")
+    if args.world_size < 1:
+        ap.error(f"--world-size must be at least 1, got {args.world_size}")
     device = args.device or ("cuda" if args.backend == "nccl_ep" else "cpu")
     if args.backend == "nccl_ep" and device != "cuda":
         ap.error("--backend nccl_ep needs --device cuda")
@@ -82,6 +85,12 @@ def main(argv=None) -> int:
                 if not args.patterns or any(p in c.name for p in args.patterns)]
     print(f"te_ep fault cases: backend {config.variant}, W={config.world_size}, device {device}, "
           f"PG timeout {config.pg_timeout_s:g} s", flush=True)
+    if config.world_size == 1:
+        skipped = [c.name for c in selected if not c.one_rank]
+        selected = [c for c in selected if c.one_rank]
+        print("W=1: the fault is on the only rank, so only the faulty rank's side is measured (where it raises, its "
+              "message, its outputs, recovery); what the other ranks do needs W >= 2. Skipped, meaningless at W=1: "
+              + (", ".join(skipped) or "none"), flush=True)
     if args.backend == "nccl_ep" and not args.no_warmup:
         for name in ("control_no_fault", "control_overflow_shape"):
             warm = run_case(fault_cases.CASES_BY_NAME[name], dataclasses.replace(config, pg_timeout_s=300.0))

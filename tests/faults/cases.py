@@ -74,6 +74,10 @@ class Case:
     world_sizes: tuple = (2,)  # where tests/test_faults.py runs it on CPU
     wall: Callable[[float], float] = lambda pg: 2 * pg + 10
     control: bool = False  # checks the harness (no fault, or a fault of the harness's own)
+    # Meaningful at W = 1 (`--world-size 1`, one GPU): the fault is on the only rank, so what is
+    # measured is the faulty rank's side (where it raises, its message, its outputs, recovery);
+    # what the other ranks do needs W >= 2.
+    one_rank: bool = False
 
     def wall_s(self, pg_timeout_s: float) -> float:
         return self.wall(pg_timeout_s)
@@ -574,6 +578,7 @@ def _routing_case(name, fault, body, faulty, says, guard_says, device_says, worl
             "nccl_ep+device": _device(contract, NEXT_PREPARE, *device_says),
         },
         world_sizes=world_sizes,
+        one_rank=True,
     )
 
 
@@ -602,6 +607,7 @@ def _arg_case(name, fault, body, faulty, op, says, own) -> Case:
                 faulty_says=(DEVICE_SAYS, f"{bad}: {own}"),
                 others_say=(DEVICE_SAYS, f"{bad} (that rank's error names them)")),
         },
+        one_rank=True,
     )
 
 
@@ -678,6 +684,7 @@ CASES = [
                 others_say=(DEVICE_SAYS, "rank {faulty}: bad arguments to te_ep.prepare (that rank's error names "
                             "them)")),
         },
+        one_rank=True,
     ),
     _arg_case("tokens_dtype_one_rank", "tokens of the wrong dtype (float16 for a bfloat16 handle) on one rank",
               body_tokens_dtype, lambda W: W - 1, "dispatch", ("tokens", "torch.bfloat16", "torch.float16"),
@@ -748,6 +755,7 @@ CASES = [
             "nccl_ep+device": _device(_BAD_STEP_CONTRACT, CHECK,
                                       "rank {faulty}: topk_idx[3, 0] = {E} (an expert id outside [-1, {E}))"),
         },
+        one_rank=True,
     ),
 ]
 

@@ -241,6 +241,11 @@ def judge(case, result: CaseResult) -> Tuple[str, List[str]]:
     expected = case.expected(result.config.variant)
     if not against_contract:
         if expected is not None and expected != case.contract:
+            if result.world_size == 1 and not evaluate(result, expected, fmt):
+                # At W=1 there are no other ranks: a shortfall that concerns only them (their
+                # wording, their fate) can't be seen, so meeting the contract proves nothing stale.
+                return "shortfall", ["at W=1 the faulty rank meets the contract; the declared shortfall concerns "
+                                     "the other ranks, which need W >= 2"]
             return "STALE", [f"declared to fall short ({expected.shortfall}) but meets the contract"]
         return "contract", []
     if expected is None:

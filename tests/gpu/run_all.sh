@@ -4,7 +4,7 @@
 # Runs, for every world size W in ${TE_EP_WORLD_SIZES:-2 4} that the machine has GPUs for:
 # the shared cases on the reference and nccl_ep backends (nccl_ep also against
 # the reference), the nccl_ep smoke test, and the 1000-step soak at the largest
-# W; the fault-injection cases (tests/faults) at W=2 on nccl_ep in its three check modes
+# W; the fault-injection cases (tests/faults) at W=2 (W=1 on one GPU) on nccl_ep in its three check modes
 # (default, TE_EP_CHECK_ROUTING=1, TE_EP_DEVICE_CHECKS=1). Every nccl_ep part runs once per
 # nccl_ep mode in ${TE_EP_NCCL_EP_MODES:-staged zero_copy}. Then the
 # permutation CUDA tests, the FP8 tests (quantize kernels, the FP8-dispatch MoE layer) and the
@@ -55,6 +55,11 @@ for w in ${TE_EP_WORLD_SIZES:-2 4}; do
     want suite && run "suite W=$w nccl_ep mode=$mode TE_EP_CHECK_ROUTING=1" "$LOG/suite.log" \
       env TE_EP_NCCL_EP_MODE="$mode" TE_EP_CHECK_ROUTING=1 timeout 900 "$PY" -m torch.distributed.run --standalone \
       --nproc-per-node="$w" tests/gpu/run_suite.py --backend nccl_ep --agreement only
+    # Every case with every handle in the device check mode (each op's agreement all-reduce
+    # on good steps; routing_guard, the default mode's case, is skipped).
+    want suite && run "suite W=$w nccl_ep mode=$mode TE_EP_DEVICE_CHECKS=1" "$LOG/suite.log" \
+      env TE_EP_NCCL_EP_MODE="$mode" TE_EP_DEVICE_CHECKS=1 timeout 900 "$PY" -m torch.distributed.run --standalone \
+      --nproc-per-node="$w" tests/gpu/run_suite.py --backend nccl_ep
     want smoke && run "nccl_ep smoke W=$w mode=$mode" "$LOG/smoke.log" \
       env TE_EP_NCCL_EP_MODE="$mode" timeout 600 "$PY" -m torch.distributed.run --standalone --nproc-per-node="$w" \
       tests/gpu/smoke_nccl_ep.py
@@ -69,15 +74,17 @@ if [ "$largest" -gt 0 ] && want soak; then
 fi
 # Each fault case in fresh processes with a hard wall-clock limit; fails on a behaviour
 # other than the one declared in tests/faults/cases.py (docs/ops.md, "Faults and bad input").
-if [ "$ngpu" -ge 2 ] && want faults; then
+# On one GPU: at W=1 (the cases marked one_rank; the faulty rank's side only).
+fw=$(( ngpu >= 2 ? 2 : 1 ))
+if want faults; then
   for mode in $MODES; do
-    run "faults W=2 nccl_ep mode=$mode" "$LOG/faults.log" \
-      env TE_EP_NCCL_EP_MODE="$mode" timeout 1200 "$PY" -m tests.faults --backend nccl_ep --world-size 2 -v
-    run "faults W=2 nccl_ep mode=$mode TE_EP_CHECK_ROUTING=1" "$LOG/faults.log" \
-      env TE_EP_NCCL_EP_MODE="$mode" timeout 1200 "$PY" -m tests.faults --backend nccl_ep --world-size 2 \
+    run "faults W=$fw nccl_ep mode=$mode" "$LOG/faults.log" \
+      env TE_EP_NCCL_EP_MODE="$mode" timeout 1200 "$PY" -m tests.faults --backend nccl_ep --world-size $fw -v
+    run "faults W=$fw nccl_ep mode=$mode TE_EP_CHECK_ROUTING=1" "$LOG/faults.log" \
+      env TE_EP_NCCL_EP_MODE="$mode" timeout 1200 "$PY" -m tests.faults --backend nccl_ep --world-size $fw \
       --check-routing -v
-    run "faults W=2 nccl_ep mode=$mode TE_EP_DEVICE_CHECKS=1" "$LOG/faults.log" \
-      env TE_EP_NCCL_EP_MODE="$mode" timeout 1200 "$PY" -m tests.faults --backend nccl_ep --world-size 2 \
+    run "faults W=$fw nccl_ep mode=$mode TE_EP_DEVICE_CHECKS=1" "$LOG/faults.log" \
+      env TE_EP_NCCL_EP_MODE="$mode" timeout 1200 "$PY" -m tests.faults --backend nccl_ep --world-size $fw \
       --device-checks -v
   done
 fi

@@ -63,6 +63,11 @@ def _select(backend: str, world_size: int, patterns: list | None, agreement: str
         if case.needs_agreement and not agreeing:
             skipped.append((case.name, f"{backend} agrees on errors across ranks only with TE_EP_CHECK_ROUTING=1"))
             continue
+        if case.name == "routing_guard" and "1" in (os.environ.get("TE_EP_DEVICE_CHECKS"),
+                                                    os.environ.get("TE_EP_CHECK_ROUTING")):
+            skipped.append((case.name, "the default check mode's case: runs without TE_EP_DEVICE_CHECKS=1 and "
+                                       "TE_EP_CHECK_ROUTING=1"))
+            continue
         # The CPU suite restricts some cases to certain sizes only to save CPU time;
         # on GPUs every case runs at the launched size, except the 8-rank smoke cases,
         # which only make sense at 8 or more ranks.
