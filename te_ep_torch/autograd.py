@@ -203,9 +203,13 @@ class Fp8DispatchOutput(NamedTuple):
 class _DispatchFp8(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens: Tensor, scales: Optional[Tensor], topk_weights: Tensor, handle: EpHandle,
-                pow2_scales: bool):
+                pow2_scales: bool, unchecked: bool):
         values = tokens
-        if scales is None:
+        if scales is None and unchecked:
+            # tokens that ep_dispatch_fp8 found bad: the op's own check rejects them (values of
+            # another dtype, or no scales for float8 values), and the ranks agree on that
+            scales = tokens.new_zeros((tokens.shape[0] if tokens.dim() else 0, 0), dtype=torch.float32)
+        elif scales is None:
             values, scales = ops.quantize_fp8(tokens, pow2_scales)
         cfg = handle.config
         handle_id, key = handle.op_ids()
@@ -222,7 +226,7 @@ class _DispatchFp8(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _grad_values, _grad_scales, grad_weights: Optional[Tensor], grad_rows: Optional[Tensor]):
         if grad_weights is None and grad_rows is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         cfg = ctx.handle.config
         handle_mem = ctx.saved_tensors[0]
         if grad_rows is None:
@@ -230,7 +234,7 @@ class _DispatchFp8(torch.autograd.Function):
         if grad_weights is None:
             grad_weights = handle_mem.new_zeros((cfg.capacity,), dtype=torch.float32)
         grad_tokens, grad_topk_weights = _dispatch_backward(ctx, grad_rows, grad_weights, "ep_dispatch_fp8")
-        return grad_tokens, None, grad_topk_weights, None, None
+        return grad_tokens, None, grad_topk_weights, None, None, None
 
 
 class _DequantizeRows(torch.autograd.Function):
@@ -277,20 +281,29 @@ def ep_dispatch_fp8(
         sent back in the handle's dtype.
     """
     cfg = handle.config
-    if cfg.dispatch_dtype != torch.float8_e4m3fn:
+    if cfg.dispatch_dtype != torch.float8_e4m3fn:  # the same on every rank: create_handle agrees on it
         raise ValueError(
             f"ep_dispatch_fp8: handle {handle.id} was created without FP8 dispatch; create it with "
             "create_handle(..., dispatch_dtype=torch.float8_e4m3fn)"
         )
+    # Tokens of a wrong dtype may be wrong on this rank only: raising here, before the step's
+    # collectives, would leave the other ranks waiting in them. They go to the dispatch_fp8 op
+    # as they are, whose argument check the ranks agree on (docs/ops.md, "Faults and bad
+    # input"); where it raises here, it raises this message.
+    bad = None
     if scales is None and tokens.dtype != cfg.dtype:
-        raise ValueError(
-            f"ep_dispatch_fp8: tokens must be {cfg.dtype} (the handle's dtype; they are quantized here) or "
-            f"torch.float8_e4m3fn with scales, got {tokens.dtype}"
-        )
-    if scales is not None and tokens.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"ep_dispatch_fp8: tokens given with scales must be torch.float8_e4m3fn, got {tokens.dtype}")
+        bad = (f"ep_dispatch_fp8: tokens must be {cfg.dtype} (the handle's dtype; they are quantized here) or "
+               f"torch.float8_e4m3fn with scales, got {tokens.dtype}")
+    elif scales is not None and tokens.dtype != torch.float8_e4m3fn:
+        bad = f"ep_dispatch_fp8: tokens given with scales must be torch.float8_e4m3fn, got {tokens.dtype}"
     counts, total = handle.prepare(topk_idx) if prepared is None else prepared
-    values, recv_scales, weights, sink = _DispatchFp8.apply(tokens, scales, topk_weights, handle, pow2_scales)
+    try:
+        values, recv_scales, weights, sink = _DispatchFp8.apply(tokens, scales, topk_weights, handle, pow2_scales,
+                                                                bad is not None)
+    except RuntimeError as exc:
+        if bad is None:
+            raise
+        raise ValueError(f"{bad}\n(handle {handle.id} of group '{handle.group.group_name}')") from exc
     return Fp8DispatchOutput(values, recv_scales, weights, counts, total, sink)
 
 

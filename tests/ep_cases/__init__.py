@@ -69,7 +69,13 @@ from .exact import (
     case_no_grad_path,
     case_two_layers_raw,
 )
-from .fp8 import FP8_STEPS, case_fp8_dispatch_exact, case_fp8_dispatch_grads, case_fp8_errors
+from .fp8 import (
+    FP8_STEPS,
+    case_fp8_dispatch_exact,
+    case_fp8_dispatch_grads,
+    case_fp8_errors,
+    case_fp8_tokens_dtype_one_rank,
+)
 from .lifecycle import case_capacity_for, case_group_api, case_shutdown_reinit, case_subgroups
 from .lifetime import (
     case_handle_mode_and_memory,
@@ -135,6 +141,7 @@ CASES = [
     Case("fp8_dispatch_exact_pow2", case_fp8_dispatch_exact, (FP8_STEPS[:2], True), timeout=120),
     Case("fp8_dispatch_grads", case_fp8_dispatch_grads, (Step(hidden=512, top_k=2, drop=0.2),)),
     Case("fp8_errors", case_fp8_errors, needs_agreement=True),
+    Case("fp8_tokens_dtype_one_rank", case_fp8_tokens_dtype_one_rank, needs_agreement=True),
     Case("lifetime_microbatches", case_lifetime_microbatches),
     Case("lifetime_checkpoint", case_lifetime_checkpoint),
     Case("lifetime_expert_out_after_combine", case_lifetime_expert_out_after_combine),

@@ -691,7 +691,8 @@ def case_device_checks_arguments(ctx) -> None:
 
 def case_device_checks_op_arguments(ctx) -> None:
     """nccl_ep with TE_EP_DEVICE_CHECKS=1: bad arguments on one rank to an op after a good
-    prepare (dispatch, dispatch_fp8, combine, combine_bwd) are agreed on the device by that op
+    prepare (dispatch, dispatch_fp8, also through ep_dispatch_fp8's tokens, combine, combine_bwd)
+    are agreed on the device by that op
     (docs/ops.md, "Check modes"). No rank raises in the step; that op and every later op of the
     step return zeros on every rank (gradients included), the ops before it are exact; every
     rank raises at check(), or else at the handle's prepare after next (the next prepare and its
@@ -782,6 +783,13 @@ def case_device_checks_op_arguments(ctx) -> None:
     out8 = te.ep_dispatch_fp8(h8, values, idx, w0, scales=scales)
     zeros("bad dispatch_fp8", received_values=out8.values, received_scales=out8.scales, received_weights=out8.weights)
     expect_raises(h8.check, *says(h8, "dispatch_fp8", "scales.size(1) must be 4 (one scale per 128 values), got 5"))
+    # ep_dispatch_fp8 with float32 tokens on the faulty rank: checked by the op, agreed the same way
+    x8 = fingerprint(r, T, st8.hidden, dtype).to(dev)
+    out8 = te.ep_dispatch_fp8(h8, x8.float() if last else x8, idx, w0)
+    zeros("float32 tokens to ep_dispatch_fp8", received_values=out8.values, received_scales=out8.scales,
+          received_weights=out8.weights)
+    expect_raises(h8.check, *says(h8, "dispatch_fp8", "values must be torch.float8_e4m3fn (FP8 dispatch), got "
+                                                      "torch.float32"))
     run_exact_step(ctx, group, h8, st8, r, W, tag="device-checked op arguments, after dispatch_fp8: ")
     group.shutdown()
 

@@ -148,18 +148,18 @@ def case_fp8_errors(ctx) -> None:
     """FP8-specific argument errors, raised on every rank with names and values."""
     from .common import expect_raises
 
-    step = Step(hidden=256, dtype="bf16")
+    step = Step(hidden=512, dtype="bf16")  # nccl_ep's FP8 dispatch needs hidden % 512 == 0
     group = make_group(ctx, step)
     expect_raises(lambda: group.create_handle(top_k=2, hidden=200, dispatch_dtype=torch.float8_e4m3fn),
                   "hidden must be a multiple of 128, got hidden=200", exc=ValueError)
-    expect_raises(lambda: group.create_handle(top_k=2, hidden=256, dispatch_dtype=torch.float8_e5m2),
+    expect_raises(lambda: group.create_handle(top_k=2, hidden=512, dispatch_dtype=torch.float8_e5m2),
                   "dispatch_dtype must be None or torch.float8_e4m3fn", exc=ValueError)
-    plain = group.create_handle(top_k=2, hidden=256)
+    plain = group.create_handle(top_k=2, hidden=512)
     idx_all, w_all = all_inputs(step, ctx.world_size)
     x = tokens_of(step, ctx.rank).to(ctx.device)
     idx, w = idx_all[ctx.rank].to(ctx.device), w_all[ctx.rank].to(ctx.device)
     expect_raises(lambda: te.ep_dispatch_fp8(plain, x, idx, w), "created without FP8 dispatch", exc=ValueError)
-    fp8 = group.create_handle(top_k=2, hidden=256, dispatch_dtype=torch.float8_e4m3fn)
+    fp8 = group.create_handle(top_k=2, hidden=512, dispatch_dtype=torch.float8_e4m3fn)
     expect_raises(lambda: te.ep_dispatch_fp8(fp8, x.float(), idx, w), "tokens must be torch.bfloat16",
                   exc=ValueError)
     # The op itself: scales of the wrong width, agreed on by every rank.
@@ -178,3 +178,46 @@ FP8_STEPS = [
     Step(hidden=1024, top_k=2, dtype="fp16", mode="skew_rank", idx_dtype="i32"),
     Step(hidden=512, top_k=2, mode="only_rank0", tokens=(7, 0)),
 ]
+
+
+def case_fp8_tokens_dtype_one_rank(ctx) -> None:
+    """ep_dispatch_fp8 with tokens of a wrong dtype on one rank only (float32 tokens to be
+    quantized; bfloat16 tokens given with scales): the check happens in the dispatch_fp8 op,
+    after prepare, where the ranks agree on it, so every rank raises in the step and none waits
+    for the faulty one: the faulty rank a ValueError naming the argument, the values and the
+    handle; the others a RuntimeError naming the op and the faulty rank. The same handle then
+    dispatches exactly what it did before the faults."""
+    from .common import expect_raises
+
+    step = Step(hidden=512, dtype="bf16")
+    W, r, last = ctx.world_size, ctx.rank, ctx.rank == ctx.world_size - 1
+    group = make_group(ctx, step)
+    handle = group.create_handle(top_k=step.top_k, hidden=step.hidden, dtype=step.torch_dtype(),
+                                 dispatch_dtype=torch.float8_e4m3fn)
+    idx_all, w_all = all_inputs(step, W)
+    x = tokens_of(step, r).to(ctx.device)
+    idx, w = idx_all[r].to(ctx.device), w_all[r].to(ctx.device)
+    q, s = te.quantize_fp8(x)
+    layout = expected_layout(idx_all, r, step.experts_per_rank, step.alignment, handle.config.capacity)
+
+    def received(out):
+        v, sc, wt = out.values.cpu().view(torch.uint8), out.scales.cpu(), out.weights.detach().cpu()
+        return _zone_sorted(v, sc, wt, layout) if ctx.backend != "reference" else (v, sc, wt)
+
+    clean = received(te.ep_dispatch_fp8(handle, x, idx, w))
+    faults = [
+        ("float32 tokens", lambda: te.ep_dispatch_fp8(handle, x.float() if last else x, idx, w),
+         "ep_dispatch_fp8: tokens must be torch.bfloat16 (the handle's dtype; they are quantized here) or "
+         "torch.float8_e4m3fn with scales, got torch.float32"),
+        ("bfloat16 tokens with scales", lambda: te.ep_dispatch_fp8(handle, x if last else q, idx, w, scales=s),
+         "ep_dispatch_fp8: tokens given with scales must be torch.float8_e4m3fn, got torch.bfloat16"),
+    ]
+    for kind, call, says in faults:
+        if last:
+            expect_raises(call, says, f"handle {handle.id}", exc=ValueError)
+        else:
+            expect_raises(call, "dispatch_fp8", f"rank {W - 1}")
+        got = received(te.ep_dispatch_fp8(handle, x, idx, w))
+        for name, a, b in zip(("values (bytes)", "scales", "weights"), got, clean):
+            check_equal(f"{name} after {kind} on rank {W - 1}", a, b, f"rank {r}")
+    group.shutdown()
