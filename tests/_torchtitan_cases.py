@@ -513,6 +513,42 @@ def case_compiled_fsdp_blocks(ctx, *, ep: int, experts: str = "efsdp_size_1", co
          inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache) = saved
 
 
+def case_bad_batch_one_rank(ctx, *, fault: str) -> Dict[str, str]:
+    """TeEpTokenDispatcher.dispatch with a batch that is bad on the last rank only (``fault``:
+    "tokens", more tokens than num_max_tokens_per_rank; "hidden", a wrong width): every rank
+    raises in the step (the ops' checks, agreed across the ranks), none waits for the faulty
+    one; then a good dispatch + combine on the same dispatcher is exact. Returns this rank's
+    exception type and message."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    W, last = ctx.world_size, ctx.rank == ctx.world_size - 1
+    mesh = init_device_mesh("cpu", (W,), mesh_dim_names=("ep",))
+    d = TeEpTokenDispatcher(TeEpTokenDispatcher.Config(
+        num_experts=NUM_EXPERTS, top_k=TOP_K, hidden_dim=DIM, num_max_tokens_per_rank=SEQ, dtype="float32",
+        backend="reference"))
+    d.wire_meshes(ep_mesh=mesh)
+    gen = torch.Generator().manual_seed(100 + ctx.rank)
+
+    def batch(T: int, D: int):
+        x = torch.randn(T, D, generator=gen)
+        ids = torch.stack([torch.randperm(NUM_EXPERTS, generator=gen)[:TOP_K] for _ in range(T)])
+        scores = torch.rand(T, TOP_K, generator=gen)
+        return x, scores, ids, torch.zeros(NUM_EXPERTS, dtype=torch.int64)
+
+    T, D = (SEQ + 3, DIM) if last and fault == "tokens" else (SEQ, DIM + 1) if last else (SEQ, DIM)
+    try:
+        d.dispatch(*batch(T, D))
+    except Exception as exc:  # noqa: BLE001 (reported to the test)
+        seen = {"type": type(exc).__name__, "message": str(exc)}
+    else:
+        seen = {"type": "none", "message": ""}
+    x, scores, ids, counts = batch(SEQ, DIM)
+    rows, _, metadata = d.dispatch(x, scores, ids, counts)
+    out = d.combine(rows, metadata, x)  # identity experts: each token comes back times its summed scores
+    torch.testing.assert_close(out, x * scores.sum(1, keepdim=True), atol=1e-5, rtol=1e-5)
+    return seen
+
+
 def _main() -> None:
     """torchrun entry (GPU): ``_torchtitan_cases.py <case> '<json kwargs>'``; prints one JSON line per rank."""
     from _dist import Ctx

@@ -346,6 +346,25 @@ def test_use_te_ep_fills_sizes_from_trainer_config():
         use_te_ep(config)
 
 
+@pytest.mark.parametrize("fault,faulty_says,others_say", [
+    ("tokens", "TeEpTokenDispatcher.dispatch: x_TD has 27 tokens, more than num_max_tokens_per_rank=24",
+     "te_ep.prepare"),
+    ("hidden", "TeEpTokenDispatcher.dispatch: x_TD must have 32 columns (hidden_dim), got shape (24, 33)",
+     "te_ep.dispatch"),
+])
+def test_a_bad_batch_on_one_rank_raises_on_every_rank(pools, fault, faulty_says, others_say):
+    """A batch too large (or too wide) on one rank raises on every rank in that step instead of
+    leaving the others waiting in the collectives; the dispatcher then works (exact)."""
+    from _torchtitan_cases import case_bad_batch_one_rank
+
+    results = pools.run(2, case_bad_batch_one_rank, fault=fault, timeout=120)
+    faulty, other = results[1], results[0]
+    assert faulty["type"] == "ValueError" and faulty_says in faulty["message"], faulty
+    assert "(handle " in faulty["message"], faulty
+    assert other["type"] == "RuntimeError", other
+    assert others_say in other["message"] and "rank 1" in other["message"], other
+
+
 def test_without_ep_mesh_it_is_torchtitans_local_dispatch():
     """Expert parallelism off (no EP mesh wired): the same local reorder as TorchTitan's dispatchers."""
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher

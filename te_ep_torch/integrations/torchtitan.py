@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -206,7 +206,13 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
         self._handles[dtype] = handle
         return handle
 
-    def _handle_for(self, x_TD: Tensor) -> EpHandle:
+    def _handle_for(self, x_TD: Tensor) -> Tuple[EpHandle, Optional[str]]:
+        """The handle for ``x_TD``'s dtype, and what is wrong with ``x_TD`` for it (or None).
+
+        That error is not raised here: it may hold on this rank only (a larger batch), and
+        raising before the step's collectives would leave the other ranks waiting in them.
+        The ops' own checks see it and the ranks agree on it; ``dispatch`` then raises this
+        message on this rank (docs/ops.md, "Faults and bad input")."""
         num_tokens, hidden = x_TD.shape
         handle = self._handles.get(x_TD.dtype)
         if handle is None:
@@ -222,16 +228,13 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
                 x_TD.dtype, self.hidden_dim or hidden, self.num_max_tokens_per_rank or num_tokens
             )
         if hidden != handle.config.hidden:
-            raise ValueError(
-                f"TeEpTokenDispatcher.dispatch: x_TD must have {handle.config.hidden} columns (hidden_dim), "
-                f"got shape {tuple(x_TD.shape)}"
-            )
+            return handle, (f"TeEpTokenDispatcher.dispatch: x_TD must have {handle.config.hidden} columns "
+                            f"(hidden_dim), got shape {tuple(x_TD.shape)}")
         if num_tokens > handle.group.max_tokens_per_rank:
-            raise ValueError(
-                f"TeEpTokenDispatcher.dispatch: x_TD has {num_tokens} tokens, more than num_max_tokens_per_rank="
-                f"{handle.group.max_tokens_per_rank}; set num_max_tokens_per_rank to the largest per-rank batch"
-            )
-        return handle
+            return handle, (f"TeEpTokenDispatcher.dispatch: x_TD has {num_tokens} tokens, more than "
+                            f"num_max_tokens_per_rank={handle.group.max_tokens_per_rank}; set num_max_tokens_per_rank "
+                            "to the largest per-rank batch")
+        return handle, None
 
     # ---- dispatch / combine ---------------------------------------------------------
 
@@ -253,15 +256,20 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
                 self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E
             )
         del num_local_tokens_per_expert_E
-        handle = self._handle_for(x_TD)
+        handle, bad = self._handle_for(x_TD)
         args = (handle, x_TD.contiguous(), topk_expert_ids_TK.contiguous(),
                 topk_scores_TK.to(torch.float32).contiguous())
-        if self.fp8_dispatch:
-            out = ep_dispatch_fp8(*args)
-            rows = out.dequantize(x_TD.dtype)
-        else:
-            out = ep_dispatch(*args)
-            rows = out.tokens
+        try:
+            if self.fp8_dispatch:
+                out = ep_dispatch_fp8(*args)
+                rows = out.dequantize(x_TD.dtype)
+            else:
+                out = ep_dispatch(*args)
+                rows = out.tokens
+        except (RuntimeError, ValueError) as exc:
+            if bad is None:
+                raise
+            raise ValueError(f"{bad}\n(handle {handle.id} of group '{handle.group.group_name}')") from exc
         metadata = TeEpDispatchMetadata(
             handle=handle, row_weights_R=out.weights, total=out.total, num_tokens=x_TD.shape[0]
         )
