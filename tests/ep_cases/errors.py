@@ -629,6 +629,15 @@ def _device_checks_env():
         del os.environ["TE_EP_DEVICE_CHECKS"]
 
 
+def _device_checked(ctx, st: Step):
+    """(group, handle) for `st` with the handle in the device check mode."""
+    with _device_checks_env():
+        group = make_group(ctx, st)
+        handle = group.create_handle(top_k=st.top_k, hidden=st.hidden, dtype=st.torch_dtype())
+    assert handle.check_mode == "device", handle.check_mode
+    return group, handle
+
+
 def case_device_checks_arguments(ctx) -> None:
     """nccl_ep with TE_EP_DEVICE_CHECKS=1: bad arguments to prepare on one rank (more tokens
     than max_tokens_per_rank; then topk_idx of a float dtype) are agreed with the routing on
@@ -639,10 +648,7 @@ def case_device_checks_arguments(ctx) -> None:
     error is pending raise that error and leave nothing behind."""
     W, r, last = ctx.world_size, ctx.rank, ctx.rank == ctx.world_size - 1
     dev, st = torch.device(ctx.device), ERROR_STEP
-    with _device_checks_env():
-        group = make_group(ctx, st)
-        handle = group.create_handle(top_k=st.top_k, hidden=st.hidden, dtype=st.torch_dtype())
-    assert handle.check_mode == "device", handle.check_mode
+    group, handle = _device_checked(ctx, st)
     idx_all, w_all = all_inputs(st, W)
     too_many = group.max_tokens_per_rank + 3
 
@@ -700,10 +706,7 @@ def case_device_checks_op_arguments(ctx) -> None:
     first error of a handle is the one raised; exact steps follow."""
     W, r, last = ctx.world_size, ctx.rank, ctx.rank == ctx.world_size - 1
     dev, st = torch.device(ctx.device), ERROR_STEP
-    with _device_checks_env():
-        group = make_group(ctx, st)
-        handle = group.create_handle(top_k=st.top_k, hidden=st.hidden, dtype=st.torch_dtype())
-    assert handle.check_mode == "device", handle.check_mode
+    group, handle = _device_checked(ctx, st)
     idx_all, w_all = all_inputs(st, W)
     idx, w0 = idx_all[r].to(dev), w_all[r].to(dev)
     T, H, dtype = idx.shape[0], st.hidden, st.torch_dtype()
@@ -803,11 +806,7 @@ def case_device_checks(ctx) -> None:
     exact."""
     W, last = ctx.world_size, ctx.rank == ctx.world_size - 1
     dev = torch.device(ctx.device)
-    with _device_checks_env():
-        group = make_group(ctx, ERROR_STEP)
-        handle = group.create_handle(top_k=ERROR_STEP.top_k, hidden=ERROR_STEP.hidden,
-                                     dtype=ERROR_STEP.torch_dtype())
-    assert handle.check_mode == "device", handle.check_mode
+    group, handle = _device_checked(ctx, ERROR_STEP)
     run_exact_step(ctx, group, handle, ERROR_STEP, ctx.rank, W, tag="device checks, before: ")
     handle.check()  # nothing to raise
 
