@@ -546,6 +546,15 @@ def _device(contract: Expect, follow_up: str, *says) -> Expect:
                         shortfall=NCCL_EP_DEVICE_SHORTFALL)
 
 
+def _device_arg(contract: Expect, follow_up: str, op: str, own: str) -> Expect:
+    """Check mode `device` for an argument error of `op` on the faulty rank: zeros on every rank,
+    then every rank raises the agreed message in the follow-up, the faulty rank with its own
+    error `own`."""
+    bad = "rank {faulty}: bad arguments to te_ep." + op
+    return _device(contract, follow_up, bad).but(faulty_says=(DEVICE_SAYS, f"{bad}: {own}"),
+                                                 others_say=(DEVICE_SAYS, f"{bad} (that rank's error names them)"))
+
+
 _ROUTING_FAULTS = [
     # name, fault, body, faulty rank, the contract's words, check mode local's, check mode device's
     ("expert_id_out_of_range", "topk_idx holds an expert id >= num_experts on one rank",
@@ -590,7 +599,6 @@ def _arg_case(name, fault, body, faulty, op, says, own) -> Case:
     """An argument error of `op`, a step op after a good prepare: `says`, the contract's words
     for the faulty rank; `own`, its whole message (the device check mode repeats it)."""
     contract = _arg_error(op, *says).but(recovers=True)
-    bad = "rank {faulty}: bad arguments to te_ep." + op
     return Case(
         name, fault + "; then EpHandle.check()", body, faulty, contract,
         behaviour={
@@ -603,9 +611,7 @@ def _arg_case(name, fault, body, faulty, op, says, own) -> Case:
             # agreed on the device by the op itself (agree_on_op in nccl_ep_backend.cpp): the
             # faulty rank's op runs on zero substitutes, every rank's outputs of the step are
             # zeros, and check() raises on every rank; the faulty rank's message holds its own error
-            "nccl_ep+device": _device(contract, CHECK, bad).but(
-                faulty_says=(DEVICE_SAYS, f"{bad}: {own}"),
-                others_say=(DEVICE_SAYS, f"{bad} (that rank's error names them)")),
+            "nccl_ep+device": _device_arg(contract, CHECK, op, own),
         },
         one_rank=True,
     )
@@ -677,12 +683,8 @@ CASES = [
             "nccl_ep+check": _check_routing(_PREPARE_ARG_CONTRACT, others="te_ep.prepare failed on rank {faulty}"),
             # agreed with the routing (prepare_failed in nccl_ep_backend.cpp): zeros, then every rank
             # raises at the next prepare; the faulty rank's message holds its own error
-            "nccl_ep+device": _device(_PREPARE_ARG_CONTRACT, NEXT_PREPARE, "rank {faulty}: bad arguments to "
-                                      "te_ep.prepare").but(
-                faulty_says=(DEVICE_SAYS, "rank {faulty}: bad arguments to te_ep.prepare: topk_idx must be "
-                             "torch.int64 or torch.int32, got torch.float32"),
-                others_say=(DEVICE_SAYS, "rank {faulty}: bad arguments to te_ep.prepare (that rank's error names "
-                            "them)")),
+            "nccl_ep+device": _device_arg(_PREPARE_ARG_CONTRACT, NEXT_PREPARE, "prepare",
+                                          "topk_idx must be torch.int64 or torch.int32, got torch.float32"),
         },
         one_rank=True,
     ),
