@@ -110,31 +110,22 @@ and NVSHMEM_DISABLE_NVLS=1 are the defaults.
 
 from __future__ import annotations
 
+import _common  # first: it sets the environment NCCL reads when it initialises
+
+import argparse
+import contextlib
+import math
 import os
+import sys
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
 
-for _name, _value in (
-    ("NCCL_NVLS_ENABLE", "0"),
-    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-    ("NVSHMEM_DISABLE_NVLS", "1"),
-):
-    os.environ.setdefault(_name, _value)
+import torch
+import torch.distributed as dist
 
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import csv  # noqa: E402
-import math  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from typing import Callable, Dict, List, Optional, Tuple  # noqa: E402
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _nccl_ep_alone  # noqa: E402
+import _nccl_ep_alone
+from _common import Column, Timing
 
 DTYPE = torch.bfloat16
 MODES = ("staged", "zero_copy", "auto")
@@ -220,87 +211,10 @@ class Op:
             self.setup()
         return self.fn()
 
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-# How long the GPU spins before a queued call (the `queued ms` column): longer than
-# any op's host path here (te_ep's is 0.05-0.3 ms).
-QUEUE_AHEAD_MS = 2.0
-_sleep_cycles_per_ms: Dict[int, float] = {}
-
-
-def gpu_sleep(ms: float, device: torch.device) -> None:
-    """Keeps the current stream of `device` busy for about `ms` (torch.cuda._sleep, calibrated once)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _sleep_cycles_per_ms:
-        probe = 1 << 20
-        torch.cuda._sleep(probe)  # warm-up
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.cuda._sleep(probe)
-        end.record()
-        end.synchronize()
-        _sleep_cycles_per_ms[index] = probe / max(start.elapsed_time(end), 1e-3)
-    torch.cuda._sleep(int(ms * _sleep_cycles_per_ms[index]))
-
-
-def median_ms(op: Op, warmup: int, iters: int, device: torch.device) -> Tuple[float, float, float]:
-    """(device ms, host ms, queued ms): medians of barrier-aligned iterations, each the slowest rank's.
-
-    device ms: CUDA events around the call (on CPU, wall time); the GPU is idle
-    when the call starts, so this includes the host path up to the first kernel.
-    host ms: wall time of the call itself on the host (launches, argument checks,
-    Python; no synchronisation), the part of the op a CPU that runs ahead of the
-    GPU hides in a training step.
-    queued ms: the same call issued while the GPU still spins for QUEUE_AHEAD_MS,
-    timed from the end of the spin: the op's GPU time when the CPU runs ahead, as
-    in a training step (a host sync inside the op still exposes what follows it).
-    On CPU it is the wall time.
-    """
-    for _ in range(warmup):
-        op.run()
-    synchronize(device)
-
-    def ready() -> None:  # the op's inputs in place, every rank at the same point, the GPU idle
-        if op.setup is not None:
-            op.setup()
-        dist.barrier()
-        synchronize(device)
-
-    times, host, queued = [], [], []
-    for _ in range(iters):
-        ready()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            t0 = time.perf_counter()
-            op.fn()
-            host.append((time.perf_counter() - t0) * 1e3)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-            # Again, queued behind a spin: its start event fires when the spin ends.
-            ready()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            gpu_sleep(QUEUE_AHEAD_MS, device)
-            start.record()
-            op.fn()
-            end.record()
-            end.synchronize()
-            queued.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            op.fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-            host.append(times[-1])
-            queued.append(times[-1])
-    medians = [statistics.median(times), statistics.median(host), statistics.median(queued)]
-    result = torch.tensor(medians, dtype=torch.float64, device=device)
-    dist.all_reduce(result, op=dist.ReduceOp.MAX)
-    return float(result[0].item()), float(result[1].item()), float(result[2].item())
+    def time(self, args, device: torch.device) -> Timing:
+        """Its device, host and queued times (_common.median_ms), every iteration barrier-aligned."""
+        return _common.median_ms(self.fn, device, args.warmup, args.iters, ranks=True, before=self.setup,
+                                 queued=True)
 
 
 def peer_copy_gbps(device: torch.device, nbytes: int = 1 << 30, iters: int = 10) -> Optional[float]:
@@ -368,20 +282,17 @@ class TeEp(Variant):
 
     kind = "te_ep"
 
-    def __init__(self, backend: str, requested_mode: str, suffix: str, shape: Shape, routing: Routing,
-                 capacity: int, alignment: int, dispatch_dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(self, spec: VariantSpec, shape: Shape, routing: Routing, capacity: int, alignment: int) -> None:
         import te_ep_torch as te
 
-        if backend == "nccl_ep" and routing.tokens.device.type != "cuda":
+        if spec.backend == "nccl_ep" and routing.tokens.device.type != "cuda":
             raise Skip("the nccl_ep backend needs --device cuda")
         self.te = te
-        mode_arg = {"nccl_ep_mode": requested_mode} if backend == "nccl_ep" else {}
-        self.group = te.EpGroup(num_experts=shape.experts, max_tokens_per_rank=shape.tokens, backend=backend,
-                                **mode_arg)
+        self.group = te.EpGroup(num_experts=shape.experts, max_tokens_per_rank=shape.tokens, **spec.group_options())
         try:
             self.handle = self.group.create_handle(
                 top_k=shape.top_k, hidden=shape.hidden, dtype=DTYPE, alignment=alignment, capacity=capacity,
-                dispatch_dtype=dispatch_dtype,
+                dispatch_dtype=torch.float8_e4m3fn if spec.fp8 else None,
             )
         except Exception:
             # e.g. zero_copy where windows can't be had: every rank fails alike (the mode is agreed).
@@ -389,8 +300,7 @@ class TeEp(Variant):
             raise
         self.mode = self.handle.mode
         self.capacity = capacity
-        shown = self.mode if requested_mode in ("", self.mode) else f"{requested_mode}->{self.mode}"
-        super().__init__(f"te_ep/{shown}{suffix}")
+        super().__init__(spec.row_label(self.mode))
         self.routing = routing
         self.combine_buffer: Optional[torch.Tensor] = None
 
@@ -435,11 +345,8 @@ class TeEpFp8(TeEp):
 
     kind = "te_ep-fp8"
 
-    def __init__(self, backend: str, requested_mode: str, suffix: str, shape: Shape, routing: Routing,
-                 capacity: int, alignment: int) -> None:
-        super().__init__(backend, requested_mode, suffix, shape, routing, capacity, alignment,
-                         dispatch_dtype=torch.float8_e4m3fn)
-        self.label = self.label.replace("te_ep/", "te_ep-fp8/", 1)
+    def __init__(self, spec: VariantSpec, shape: Shape, routing: Routing, capacity: int, alignment: int) -> None:
+        super().__init__(spec, shape, routing, capacity, alignment)
         self.quantized = self.te.quantize_fp8(routing.tokens)
 
     def dispatch(self) -> torch.Tensor:
@@ -464,26 +371,25 @@ class TeEpFp8(TeEp):
 
 
 class NcclEpAloneVariant(Variant):
-    """NCCL EP through nccl.ep / nccl.core alone (benchmarks/_nccl_ep_alone.py)."""
+    """NCCL EP through nccl.ep / nccl.core alone (benchmarks/_nccl_ep_alone.py); with the
+    nccl_ep_flat backend its FLAT layout + te_ep's permute / unpermute (the other route to
+    expert-major rows)."""
 
     kind = "nccl.ep"
 
-    flat = False
-
-    def __init__(self, mode: str, suffix: str, shape: Shape, routing: Routing, capacity: int,
-                 alignment: int) -> None:
+    def __init__(self, spec: VariantSpec, shape: Shape, routing: Routing, capacity: int, alignment: int) -> None:
         if routing.tokens.device.type != "cuda":
             raise Skip("NCCL EP needs --device cuda")
         reason = _nccl_ep_alone.unavailable()
         if reason:
             raise Skip(reason)
-        self.mode = mode
+        self.mode = spec.mode
         self.capacity = capacity
-        super().__init__(f"{'nccl.ep-flat' if self.flat else 'nccl.ep'}/{mode}{suffix}")
+        super().__init__(spec.row_label())
         self.alone = _nccl_ep_alone.NcclEpAlone(
             tokens=routing.tokens, topk_idx=routing.topk_idx, topk_weights=routing.topk_weights,
-            num_experts=shape.experts, capacity=capacity, alignment=alignment, zero_copy=mode == "zero_copy",
-            flat=self.flat,
+            num_experts=shape.experts, capacity=capacity, alignment=alignment, zero_copy=spec.mode == "zero_copy",
+            flat=spec.backend == "nccl_ep_flat",
         )
 
     def dispatch(self) -> torch.Tensor:
@@ -507,22 +413,30 @@ class NcclEpAloneVariant(Variant):
         self.alone.close()
 
 
-class NcclEpFlatVariant(NcclEpAloneVariant):
-    """NCCL EP's FLAT layout + te_ep's permute / unpermute (the other route to expert-major rows)."""
-
-    flat = True
-
-
-class AllToAll(Variant):
-    """One row per (token, expert) pair through all_to_all_single, as in TorchTitan."""
+class Baseline(Variant):
+    """A baseline written with torch.distributed: dispatch keeps what its combine needs in ``state``."""
 
     kind = "baseline"
+    state = None
+
+    def combine(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def ops(self) -> Dict[str, Op]:
+        return {"dispatch": Op(self.dispatch), "combine": Op(self.combine)}
+
+    def close(self) -> None:
+        super().close()
+        self.state = None
+
+
+class AllToAll(Baseline):
+    """One row per (token, expert) pair through all_to_all_single, as in TorchTitan."""
 
     def __init__(self, shape: Shape, routing: Routing, world: int) -> None:
         super().__init__("all_to_all")
         self.shape, self.routing, self.world = shape, routing, world
         self.local = shape.experts // world
-        self.state = None
 
     def dispatch(self) -> torch.Tensor:
         r, shape, world, local = self.routing, self.shape, self.world, self.local
@@ -555,18 +469,9 @@ class AllToAll(Variant):
         out.index_add_(0, order // shape.top_k, returned.float())
         return out.to(DTYPE)
 
-    def ops(self) -> Dict[str, Op]:
-        return {"dispatch": Op(self.dispatch), "combine": Op(self.combine)}
 
-    def close(self) -> None:
-        super().close()
-        self.state = None
-
-
-class AllToAllDedup(Variant):
+class AllToAllDedup(Baseline):
     """Each token sent once per destination rank, then te_ep_torch's local permute."""
-
-    kind = "baseline"
 
     def __init__(self, shape: Shape, routing: Routing, world: int, capacity: int, alignment: int) -> None:
         import te_ep_torch as te
@@ -576,7 +481,6 @@ class AllToAllDedup(Variant):
         self.shape, self.routing, self.world = shape, routing, world
         self.local = shape.experts // world
         self.capacity, self.alignment = capacity, alignment
-        self.state = None
 
     def dispatch(self) -> torch.Tensor:
         r, shape, world, local = self.routing, self.shape, self.world, self.local
@@ -621,21 +525,16 @@ class AllToAllDedup(Variant):
         out.index_add_(0, send_token, returned.float())
         return out.to(DTYPE)
 
-    def ops(self) -> Dict[str, Op]:
-        return {"dispatch": Op(self.dispatch), "combine": Op(self.combine)}
-
-    def close(self) -> None:
-        super().close()
-        self.state = None
-
 
 # ---- driver -------------------------------------------------------------------
 
 
 @dataclass
 class VariantSpec:
-    backend: str
-    mode: str = ""
+    """One variant to run: everything its row label and its EpGroup arguments come from."""
+
+    backend: str  # a BACKENDS entry
+    mode: str = ""  # nccl_ep: the nccl_ep_mode asked for; nccl_ep_alone / nccl_ep_flat: the mode
     env_spec: str = "default"
     env: Dict[str, str] = field(default_factory=dict)
     fp8: bool = False
@@ -644,17 +543,23 @@ class VariantSpec:
     def suffix(self) -> str:
         return "" if self.env_spec == "default" else f"[{self.env_spec}]"
 
-    @property
-    def label(self) -> str:
-        """The row label, before a te_ep handle says which mode it runs in."""
-        prefix = "te_ep-fp8" if self.fp8 else "te_ep"
+    def group_options(self) -> Dict[str, object]:
+        """The EpGroup arguments of a te_ep variant."""
+        options: Dict[str, object] = {"backend": self.backend}
         if self.backend == "nccl_ep":
-            return f"{prefix}/{self.mode}{self.suffix}"
-        if self.backend == "nccl_ep_alone":
-            return f"nccl.ep/{self.mode}{self.suffix}"
-        if self.backend == "nccl_ep_flat":
-            return f"nccl.ep-flat/{self.mode}{self.suffix}"
-        return f"{prefix}/reference" if self.backend == "reference" else self.backend
+            options["nccl_ep_mode"] = self.mode
+        return options
+
+    def row_label(self, actual_mode: str = "") -> str:
+        """The row label; a te_ep row shows the mode its handle runs in (``actual_mode``) where it
+        differs from the one asked for, as ``ASKED->ACTUAL``."""
+        if self.backend in ("nccl_ep", "reference"):
+            asked = self.mode or self.backend
+            shown = asked if actual_mode in ("", asked) else f"{asked}->{actual_mode}"
+            return f"{'te_ep-fp8' if self.fp8 else 'te_ep'}/{shown}{self.suffix}"
+        if self.backend in ("nccl_ep_alone", "nccl_ep_flat"):
+            return f"{'nccl.ep' if self.backend == 'nccl_ep_alone' else 'nccl.ep-flat'}/{self.mode}{self.suffix}"
+        return self.backend
 
 
 def variant_specs(args) -> List[VariantSpec]:
@@ -710,12 +615,10 @@ def make_variant(spec: VariantSpec, shape: Shape, routing: Routing, capacity: in
     if spec.backend == "a2a_dedup":
         return AllToAllDedup(shape, routing, world, capacity, args.alignment)
     with env_setting(spec.env):
-        if spec.backend == "nccl_ep_flat":
-            return NcclEpFlatVariant(spec.mode, spec.suffix, shape, routing, capacity, args.alignment)
-        if spec.backend == "nccl_ep_alone":
-            return NcclEpAloneVariant(spec.mode, spec.suffix, shape, routing, capacity, args.alignment)
+        if spec.backend in ("nccl_ep_alone", "nccl_ep_flat"):
+            return NcclEpAloneVariant(spec, shape, routing, capacity, args.alignment)
         make = TeEpFp8 if spec.fp8 else TeEp
-        return make(spec.backend, spec.mode, spec.suffix, shape, routing, capacity, args.alignment)
+        return make(spec, shape, routing, capacity, args.alignment)
 
 
 def on_every_rank(what: Callable[[], object]) -> Tuple[object, str, bool]:
@@ -753,16 +656,15 @@ def roundtrip_error(op: Op, routing: Routing, top_k: int, device: torch.device) 
     return float(result.item())
 
 
-def measure(variant: Variant, routing: Routing, shape: Shape, args, device: torch.device):
-    """({op: ms}, check error) of one variant."""
+def measure(variant: Variant, routing: Routing, shape: Shape, args, device: torch.device
+            ) -> Tuple[Dict[str, Timing], float]:
+    """({op: its times}, check error) of one variant."""
     # Identity experts: the expert output is what arrived, in a tensor of its own.
     variant.set_expert_output(variant.dispatch().clone())
     ops = variant.ops()
     error = max(roundtrip_error(op, routing, shape.top_k, device) for name, op in ops.items()
                 if name.startswith("combine"))
-    measured = {name: median_ms(op, args.warmup, args.iters, device) for name, op in ops.items()}
-    return ({name: m[0] for name, m in measured.items()}, {name: m[1] for name, m in measured.items()},
-            {name: m[2] for name, m in measured.items()}, error)
+    return {name: op.time(args, device) for name, op in ops.items()}, error
 
 
 def fit_capacity(routing: Routing, shape: Shape, world: int, args, device: torch.device) -> int:
@@ -782,12 +684,13 @@ class Result:
     label: str
     kind: str
     mode: str
-    env_spec: str
+    spec: VariantSpec
     capacity: object
-    times: Dict[str, float]
-    host: Dict[str, float]  # host time of each call (median_ms)
-    queued: Dict[str, float]  # GPU time of each call issued ahead (median_ms)
+    timings: Dict[str, Timing]
     check: float
+
+    def ms(self, op: str) -> Optional[float]:
+        return self.timings[op].ms if op in self.timings else None
 
 
 def run_shape(shape: Shape, args, world: int, rank: int, device: torch.device, copy_gbps
@@ -798,7 +701,7 @@ def run_shape(shape: Shape, args, world: int, rank: int, device: torch.device, c
     results, skipped = [], []
     for spec in variant_specs(args):
         variant, error, everywhere = on_every_rank(lambda: make_variant(spec, shape, routing, capacity, args, world))
-        label = spec.label if variant is None else variant.label
+        label = spec.row_label() if variant is None else variant.label
         if variant is not None:
             kind, mode, cap = variant.kind, variant.mode, variant.capacity
             with torch.no_grad():
@@ -814,10 +717,10 @@ def run_shape(shape: Shape, args, world: int, rank: int, device: torch.device, c
             if rank == 0:
                 print(f"  {label}: not run: {error}", flush=True)
             continue
-        times, host, queued, check = measured
-        results.append(Result(label, kind, mode, spec.env_spec, cap, times, host, queued, check))
+        timings, check = measured
+        results.append(Result(label, kind, mode, spec, cap, timings, check))
         if rank == 0:
-            ms = "  ".join(f"{op} {t:.3f}" for op, t in times.items())
+            ms = "  ".join(f"{op} {t.ms:.3f}" for op, t in timings.items())
             print(f"  {label}: {ms} ms; check {check:.1e}", flush=True)
     volumes = torch.tensor([routing.recv_bytes, routing.recv_bytes_remote], dtype=torch.float64, device=device)
     dist.all_reduce(volumes)
@@ -831,9 +734,9 @@ def table_rows(shape: Shape, results: List[Result], logical_bytes: float, remote
     by_label = {r.label: r for r in results}
 
     def ratio(other: Optional[Result], op: str, t: float) -> float:
-        if other is None or op not in other.times:
+        if other is None or other.ms(op) is None:
             return float("nan")
-        return other.times[op] / t
+        return other.ms(op) / t
 
     kind_order = {"te_ep": 0, "te_ep-fp8": 1, "nccl.ep": 2, "baseline": 3}
     rows = []
@@ -841,11 +744,11 @@ def table_rows(shape: Shape, results: List[Result], logical_bytes: float, remote
         bf16 = by_label.get(r.label.replace("te_ep-fp8/", "te_ep/", 1)) if r.kind == "te_ep-fp8" else None
         alone = None
         if r.kind == "te_ep" and r.mode in ("staged", "zero_copy"):
-            alone = by_label.get(f"nccl.ep/{r.mode}" + ("" if r.env_spec == "default" else f"[{r.env_spec}]"))
+            alone = by_label.get(VariantSpec("nccl_ep_alone", r.mode, r.spec.env_spec).row_label())
         for op in OPS:
-            if op not in r.times:
+            if op not in r.timings:
                 continue
-            t = r.times[op]
+            t = r.timings[op].ms
             base_op = "combine" if op == "combine_copy" else op
             moves_tokens = op not in ("prepare", "quantize")
             nvlink = remote_bytes / (t * 1e-3) / 1e9 if moves_tokens else float("nan")
@@ -855,12 +758,12 @@ def table_rows(shape: Shape, results: List[Result], logical_bytes: float, remote
                 "shape": shape.label(),
                 "variant": r.label,
                 "mode": r.mode,
-                "env": r.env_spec,
+                "env": r.spec.env_spec,
                 "capacity": r.capacity,
                 "op": op,
                 "ms": t,
-                "host_ms": r.host[op],
-                "queued_ms": r.queued[op],
+                "host_ms": r.timings[op].host_ms,
+                "queued_ms": r.timings[op].queued_ms,
                 "logical_GBps": hbm if hbm is not None else (logical_bytes / (t * 1e-3) / 1e9 if moves_tokens
                                                              else float("nan")),
                 "nvlink_GBps": nvlink,
@@ -877,27 +780,16 @@ def table_rows(shape: Shape, results: List[Result], logical_bytes: float, remote
     return rows
 
 
-def fmt(value: float, width: int, digits: int) -> str:
-    return f"{'-':>{width}}" if math.isnan(value) else f"{value:>{width}.{digits}f}"
-
-
 def print_table(rows: List[Dict], skipped: List[Tuple[str, str]]) -> None:
     width = max([len("variant")] + [len(row["variant"]) for row in rows] + [len(label) for label, _ in skipped])
-    header = (
-        f"{'shape':<30} {'variant':<{width}} {'op':<12} {'ms':>8} {'host ms':>8} {'queued':>8} {'logical GB/s':>13} "
-        f"{'NVLink GB/s':>12} "
-        f"{'% copy':>7} {'x a2a':>6} {'x dedup':>7} {'x alone':>7} {'x bf16':>6}"
-    )
-    print(header)
-    print("-" * len(header))
-    for row in rows:
-        print(
-            f"{row['shape']:<30} {row['variant']:<{width}} {row['op']:<12} {row['ms']:>8.3f} {row['host_ms']:>8.3f} "
-            f"{row['queued_ms']:>8.3f} "
-            f"{fmt(row['logical_GBps'], 13, 1)} {fmt(row['nvlink_GBps'], 12, 1)} {fmt(row['pct_copy'], 7, 1)} "
-            f"{fmt(row['x_a2a'], 6, 2)} {fmt(row['x_dedup'], 7, 2)} {fmt(row['x_alone'], 7, 2)} "
-            f"{fmt(row['x_bf16'], 6, 2)}"
-        )
+    _common.print_table([
+        Column("shape", "<30", "shape"), Column("variant", f"<{width}", "variant"), Column("op", "<12", "op"),
+        Column("ms", ">8", "ms", ".3f"), Column("host ms", ">8", "host_ms", ".3f"),
+        Column("queued", ">8", "queued_ms", ".3f"), Column("logical GB/s", ">13", "logical_GBps", ".1f"),
+        Column("NVLink GB/s", ">12", "nvlink_GBps", ".1f"), Column("% copy", ">7", "pct_copy", ".1f"),
+        Column("x a2a", ">6", "x_a2a", ".2f"), Column("x dedup", ">7", "x_dedup", ".2f"),
+        Column("x alone", ">7", "x_alone", ".2f"), Column("x bf16", ">6", "x_bf16", ".2f"),
+    ], rows)
     checks = dict.fromkeys((row["variant"], row["check_rel_err"], row["check_tolerance"]) for row in rows)
     print("check, combine(dispatch(x)) with identity experts vs top_k * x (largest error / max |top_k * x|):")
     for label, err, tolerance in checks:
@@ -917,19 +809,6 @@ def nccl_ep_versions(args) -> List[str]:
     if "nccl_ep_alone" in args.backends:
         lines.append(f"nccl.ep: {_nccl_ep_alone.unavailable() or _nccl_ep_alone.describe()}")
     return lines
-
-
-def init_distributed(kind: str) -> torch.device:
-    if kind == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("--device cuda: no CUDA device here (use --device cpu to test the script)")
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", device_id=device)
-        return device
-    dist.init_process_group("gloo")
-    return torch.device("cpu")
 
 
 def main() -> None:
@@ -964,7 +843,7 @@ def main() -> None:
     for spec in args.nccl_ep_env or []:
         parse_env(spec)
 
-    device = init_distributed(args.device)
+    device = _common.init_distributed(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     copy_gbps = peer_copy_gbps(device)
     if rank == 0:
@@ -982,13 +861,9 @@ def main() -> None:
         if rank == 0:
             print_table(rows, skipped)
             if args.csv and all_rows:
-                with open(args.csv, "w", newline="") as f:
-                    writer = csv.DictWriter(f, fieldnames=list(all_rows[0]))
-                    writer.writeheader()
-                    writer.writerows(all_rows)
+                _common.write_csv(args.csv, all_rows)
             sys.stdout.flush()
-    dist.barrier()
-    dist.destroy_process_group()
+    _common.close_distributed()
 
 
 if __name__ == "__main__":

@@ -62,35 +62,20 @@ are the defaults.
 
 from __future__ import annotations
 
+import _common  # first: it sets the environment NCCL reads when it initialises
+
+import argparse
+import math
 import os
+import sys
+from typing import Dict, List, Optional
 
-for _name, _value in (
-    ("NCCL_NVLS_ENABLE", "0"),
-    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-    ("NVSHMEM_DISABLE_NVLS", "1"),
-):
-    os.environ.setdefault(_name, _value)
+import torch
+import torch.distributed as dist
 
-import argparse  # noqa: E402
-import csv  # noqa: E402
-import math  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Callable, Dict, List, Optional  # noqa: E402
-
-# A checkout built in place (setup.py build_ext --inplace) is used before an
-# installed te_ep_torch.
-_REPO = Path(__file__).resolve().parent.parent
-if (_REPO / "te_ep_torch" / "_C.so").exists():
-    sys.path.insert(0, str(_REPO))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-import te_ep_torch as te  # noqa: E402
-from te_ep_torch.testing.moe_blocks import (  # noqa: E402
+import te_ep_torch as te
+from _common import Column
+from te_ep_torch.testing.moe_blocks import (
     GEMMS,
     MoEConfig,
     ComputeOnlyMoEBlock,
@@ -168,52 +153,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def init_distributed(kind: str) -> torch.device:
-    if kind == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("--device cuda: no CUDA device here (use --device cpu to test the script)")
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", device_id=device)
-        return device
-    dist.init_process_group("gloo")
-    return torch.device("cpu")
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_ms(fn: Callable[[], object], before: Callable[[], None], warmup: int, iters: int,
-              device: torch.device) -> float:
-    """Median of barrier-aligned iterations; the slowest rank's median."""
-    for _ in range(warmup):
-        before()
-        fn()
-    synchronize(device)
-    times = []
-    for _ in range(iters):
-        before()
-        dist.barrier()
-        synchronize(device)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    result = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
-    dist.all_reduce(result, op=dist.ReduceOp.MAX)
-    return float(result.item())
-
-
 def fit_capacity(block: NativeMoEBlock, x: torch.Tensor, args, group: te.EpGroup) -> int:
     """Receive rows for this run's routing on the busiest rank, times the headroom."""
     if args.worst_case_capacity:
@@ -251,27 +190,22 @@ def describe(args, world: int, device: torch.device, dtype: torch.dtype) -> str:
         f"step = forward + backward; median of {args.iters} timed steps after {args.warmup} warmup, slowest rank",
     ]
     if device.type == "cuda":
-        env = ", ".join(f"{k}={os.environ.get(k)}" for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                                                           "NVSHMEM_DISABLE_NVLS"))
-        lines.append(env)
+        lines.append(", ".join(f"{name}={os.environ.get(name)}" for name, _ in _common.MULTICAST_OFF))
     return "\n".join(lines)
 
 
-def print_table(rows: List[Dict]) -> None:
-    header = (f"{'block':<13} {'backend':<10} {'gemm':<10} {'capacity':>9} {'fwd ms':>8} {'fwd+bwd ms':>11} "
-              f"{'tokens/s/GPU':>13} {'x native':>9} {'fwd x':>6} {'step GiB':>9}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        peak = f"{r['step_GiB']:>9.2f}" if r["step_GiB"] is not None else f"{'-':>9}"
-        print(f"{r['block']:<13} {r['backend']:<10} {r['gemm']:<10} {str(r['capacity']):>9} {r['fwd_ms']:>8.3f} "
-              f"{r['step_ms']:>11.3f} {r['tokens_per_s_per_gpu']:>13,.0f} {r['speedup']:>9.2f} "
-              f"{r['fwd_speedup']:>6.2f} {peak}")
+COLUMNS = [
+    Column("block", "<13", "block"), Column("backend", "<10", "backend"), Column("gemm", "<10", "gemm"),
+    Column("capacity", ">9", "capacity"), Column("fwd ms", ">8", "fwd_ms", ".3f"),
+    Column("fwd+bwd ms", ">11", "step_ms", ".3f"), Column("tokens/s/GPU", ">13", "tokens_per_s_per_gpu", ",.0f"),
+    Column("x native", ">9", "speedup", ".2f"), Column("fwd x", ">6", "fwd_speedup", ".2f"),
+    Column("step GiB", ">9", "step_GiB", ".2f"),
+]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    device = init_distributed(args.device)
+    device = _common.init_distributed(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = DTYPES[args.dtype]
     if args.experts % world:
@@ -342,13 +276,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         return reset
 
     for name, backend, block, capacity in blocks:
-        before(block)()
+        reset = before(block)
+        reset()
         if peak:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
             resident = torch.cuda.memory_allocated(device)
-        fwd = median_ms(lambda: block(leaf), before(block), args.warmup, args.iters, device)
-        step = median_ms(lambda: block(leaf).backward(grad_out), before(block), args.warmup, args.iters, device)
+        fwd = _common.median_ms(lambda: block(leaf), device, args.warmup, args.iters, ranks=True, before=reset).ms
+        step = _common.median_ms(lambda: block(leaf).backward(grad_out), device, args.warmup, args.iters, ranks=True,
+                                 before=reset).ms
         peak_gib = None
         if peak:
             value = torch.tensor([(torch.cuda.max_memory_allocated(device) - resident) / 2**30], device=device)
@@ -379,7 +315,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if rank == 0:
         print()
-        print_table(rows)
+        _common.print_table(COLUMNS, rows)
         print("x native = native time / row time, forward + backward ('fwd x': forward alone); "
               "step GiB = peak memory a step adds to what is resident (worst rank)")
         for line in exposed:
@@ -387,16 +323,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not verify_ok:
             print("VERIFICATION FAILED: the te_ep block does not match the native block (see above)")
         if args.csv:
-            with open(args.csv, "w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for row in rows for k in row)))
-                writer.writeheader()
-                writer.writerows(rows)
+            _common.write_csv(args.csv, rows)
     for name, _, block, _ in blocks[1:]:
         if name == "te_ep":  # the other te_ep-* blocks share the group of the te_ep block before them
             block.group.shutdown()
-    # Gloo aborts a rank whose peer tore its connections down first.
-    dist.barrier()
-    dist.destroy_process_group()
+    _common.close_distributed()
     return 0 if verify_ok else 1
 
 

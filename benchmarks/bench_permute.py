@@ -4,8 +4,8 @@
 
 For each (T, H): top-8 of 256 experts, bfloat16 tokens, float32 probabilities, routing
 uniform at random. Times are medians (triton.testing.do_bench with an L2 flush between
-runs when triton is installed, CUDA events otherwise). Bandwidth counts the bytes an op
-must move, the same for both implementations:
+runs when triton is installed, CUDA events otherwise, each call queued behind a GPU
+spin). Bandwidth counts the bytes an op must move, the same for both implementations:
 
     permute    read T*H tokens + T*K ids; write capacity*H rows (+ probs and maps)
     unpermute  read the T*K routed rows, T*K probs and row ids; write T*H
@@ -17,17 +17,15 @@ Not a test: it never asserts timings.
 
 from __future__ import annotations
 
+import _common  # first: it sets the environment NCCL reads when it initialises
+
 import argparse
-import csv
-import os
-import statistics
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from te_ep_torch.permutation import permute, unpermute  # noqa: E402
+from _common import Column
+from te_ep_torch.permutation import permute, unpermute
 
 NUM_EXPERTS, TOP_K = 256, 8
 TARGET_TOKENS, TARGET_HIDDEN = 16384, 7168
@@ -43,18 +41,9 @@ def bench(fn) -> float:
     if do_bench is not None:
         return do_bench(fn, warmup=25, rep=200, return_mode="median")
     flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(50):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    # Queued behind a spin, as do_bench's back-to-back launches are: the kernels alone are timed.
+    return _common.median_ms(fn, flush.device, 5, 50, ranks=False, before=flush.zero_, idle=False,
+                             queued=True).queued_ms
 
 
 def copy_bandwidth(num_bytes: int) -> float:
@@ -146,12 +135,12 @@ def main() -> None:
             rows += run_case(num_tokens, hidden, copy_bw)
             torch.cuda.empty_cache()
 
-    header = f"{'op':<10} {'T':>6} {'H':>6} {'impl':<6} {'median ms':>10} {'GB/s':>8} {'% copy':>7} {'x torch':>8}"
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(f"{r['op']:<10} {r['tokens']:>6} {r['hidden']:>6} {r['impl']:<6} {r['median_ms']:>10.3f} "
-              f"{r['gbps']:>8.0f} {100 * r['copy_fraction']:>6.1f}% {r['speedup_vs_torch']:>8.2f}")
+    _common.print_table([
+        Column("op", "<10", "op"), Column("T", ">6", "tokens"), Column("H", ">6", "hidden"),
+        Column("impl", "<6", "impl"), Column("median ms", ">10", "median_ms", ".3f"), Column("GB/s", ">8", "gbps", ".0f"),
+        Column("% copy", ">7", lambda r: f"{100 * r['copy_fraction']:.1f}%"),
+        Column("x torch", ">8", "speedup_vs_torch", ".2f"),
+    ], rows)
 
     print()
     for r in rows:
@@ -162,10 +151,7 @@ def main() -> None:
                   f"(>= {TARGET_SPEEDUP:.0f}x): {'met' if ok else 'NOT met'}")
 
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        _common.write_csv(args.csv, rows)
         print(f"\nwrote {args.csv}")
 
 

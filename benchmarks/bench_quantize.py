@@ -38,27 +38,23 @@ Not a test of speed: it never asserts timings.
 
 from __future__ import annotations
 
+import _common  # first: it sets the environment NCCL reads when it initialises
+
 import argparse
-import csv
-import os
-import statistics
 import sys
-import time
 from typing import Callable, Dict, List, Tuple
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import te_ep_torch as te  # noqa: E402
-from te_ep_torch import ops  # noqa: E402
+import te_ep_torch as te
+from _common import Column
+from te_ep_torch import ops
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # tokens x hidden: the main dispatch shape, a TorchTitan-like 4096 hidden, the large
 # shape, and a hidden that is a multiple of 128 but not of 512.
 DEFAULT_SHAPES = ["4096x7168", "8192x4096", "16384x7168", "4096x2176"]
 CHECKED_ROWS = 256  # rows compared with the CPU kernels on CUDA
-SPIN_CYCLES = 1 << 20  # GPU spin before each timed call: longer than any op's host path here
 FLUSH_BYTES = 256 * 1024 * 1024
 
 
@@ -79,7 +75,8 @@ def parse_shape(text: str) -> Tuple[int, int]:
 
 
 class Timer:
-    """Median milliseconds of one call of fn, on the device the benchmark runs on."""
+    """Median milliseconds of one call of fn, queued behind a GPU spin so that its kernels alone are
+    timed (on the CPU: its wall time), the L2 cache flushed before it where asked."""
 
     def __init__(self, device: torch.device, warmup: int, iters: int, flush_l2: bool) -> None:
         self.device, self.warmup, self.iters = device, warmup, iters
@@ -87,28 +84,9 @@ class Timer:
                       if flush_l2 and device.type == "cuda" else None)
 
     def __call__(self, fn: Callable[[], object]) -> float:
-        for _ in range(self.warmup):
-            fn()
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(self.device)
-        times = []
-        for _ in range(self.iters):
-            if cuda:
-                if self.flush is not None:
-                    self.flush.zero_()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda._sleep(SPIN_CYCLES)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+        flush = self.flush.zero_ if self.flush is not None else None
+        return _common.median_ms(fn, self.device, self.warmup, self.iters, ranks=False, before=flush, idle=False,
+                                 queued=True).queued_ms
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -189,16 +167,17 @@ def run_shape(tokens: int, hidden: int, dtype: torch.dtype, dequantize_dtype: to
     return rows
 
 
+COLUMNS = [
+    Column("op", "<20", lambda r: f"dequantize->{r['out_dtype']}" if r["op"] == "dequantize" else r["op"]),
+    Column("bytes", ">13", "bytes"), Column("ms", ">9", "median_ms", ".4f"), Column("GB/s", ">9", "gbps", ".1f"),
+    Column("x copy", ">7", "x_copy", ".2f"), Column("x same", ">7", "x_same_bytes", ".2f"),
+]
+
+
 def print_table(rows: List[Dict]) -> None:
     first = rows[0]
     print(f"\nT={first['tokens']} H={first['hidden']} {first['dtype']}")
-    header = f"{'op':<20} {'bytes':>13} {'ms':>9} {'GB/s':>9} {'x copy':>7} {'x same':>7}"
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        op = f"dequantize->{r['out_dtype']}" if r["op"] == "dequantize" else r["op"]
-        print(f"{op:<20} {r['bytes']:>13} {r['median_ms']:>9.4f} {r['gbps']:>9.1f} {r['x_copy']:>7.2f} "
-              f"{r['x_same_bytes']:>7.2f}")
+    _common.print_table(COLUMNS, rows)
 
 
 def main() -> None:
@@ -241,10 +220,7 @@ def main() -> None:
             torch.cuda.empty_cache()
 
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(all_rows[0]))
-            writer.writeheader()
-            writer.writerows(all_rows)
+        _common.write_csv(args.csv, all_rows)
         print(f"\nwrote {args.csv}")
 
 

@@ -22,19 +22,22 @@ second per GPU and the speedup over ``all_to_all``. Before timing, the two layer
 outputs are compared (max |diff| / max |ref| over ranks; the run fails above 2e-2).
 
 ``--device cpu`` runs tiny sizes on gloo with the reference backend: it tests the
-script; its numbers mean nothing.
+script; its numbers mean nothing. It needs 2 or more ranks: on a single rank TorchTitan
+builds no EP mesh and never calls te_ep's dispatcher.
 """
 
 from __future__ import annotations
 
+import _common  # first: it sets the environment NCCL reads when it initialises
+
 import argparse
 import os
-import statistics
 import sys
-import time
 
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+import torch
+import torch.distributed as dist
+
+from _common import Column
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -66,9 +69,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import torch
-    import torch.distributed as dist
-
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world < 2:
+        raise SystemExit(
+            f"bench_torchtitan.py needs 2 or more ranks, got {world}: EP spans all ranks, and on a single rank "
+            "TorchTitan builds no EP mesh and never calls te_ep's dispatcher, so there is nothing to compare. "
+            "Run it under torchrun with --nproc-per-node=2 or more"
+        )
     # torch 2.11 lacks torch.compiler._is_non_strict_tracing, which TorchTitan 0.3.0's
     # AllToAllTokenDispatcher calls in eager mode (False outside tracing).
     if not hasattr(torch.compiler, "_is_non_strict_tracing"):
@@ -85,15 +92,8 @@ def main(argv=None) -> int:
     import te_ep_torch
     from te_ep_torch.integrations.torchtitan import te_ep_dispatcher
 
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if args.device == "cuda":
-        torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-        device = torch.device("cuda", local_rank)
-    else:
-        dist.init_process_group("gloo")
-        device = torch.device("cpu")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    device = _common.init_distributed(args.device)
+    rank = dist.get_rank()
     dtype = getattr(torch, args.dtype)
     set_spmd_backend("partial_dtensor")
     pd = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=world, world_size=world,
@@ -148,32 +148,8 @@ def main(argv=None) -> int:
            / ys["all_to_all"].float().abs().max().clamp_min(1e-12)).reshape(1)
     dist.all_reduce(rel, op=dist.ReduceOp.MAX)
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    times = {}
-    for name, moe in layers.items():
-        samples = []
-        for i in range(args.warmup + args.iters):
-            dist.barrier()
-            sync()
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                step(moe)
-                end.record()
-                sync()
-                ms = start.elapsed_time(end)
-            else:
-                t0 = time.perf_counter()
-                step(moe)
-                ms = (time.perf_counter() - t0) * 1e3
-            if i >= args.warmup:
-                samples.append(ms)
-        t = torch.tensor([statistics.median(samples)], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times[name] = t.item()
+    times = {name: _common.median_ms(lambda: step(moe), device, args.warmup, args.iters, ranks=True).ms
+             for name, moe in layers.items()}
 
     if rank == 0:
         handle = next(iter(layers["te_ep"].routed_experts.token_dispatcher._handles.values()))
@@ -182,12 +158,14 @@ def main(argv=None) -> int:
               f"T/rank={args.tokens_per_rank} dim={args.dim} ffn={args.ffn} E={args.experts} top-{args.top_k} "
               f"{args.dtype}; te_ep {handle.mode} capacity={handle.config.capacity}")
         print(f"outputs agree: max |diff| / max |ref| = {rel.item():.2e}")
-        print(f"{'dispatcher':<12} {'step ms':>9} {'tokens/s/GPU':>14} {'speedup':>8}")
-        for name, ms in times.items():
-            print(f"{name:<12} {ms:>9.3f} {args.tokens_per_rank / ms * 1e3:>14,.0f} "
-                  f"{times['all_to_all'] / ms:>7.2f}x")
+        _common.print_table([
+            Column("dispatcher", "<12", "dispatcher"), Column("step ms", ">9", "step_ms", ".3f"),
+            Column("tokens/s/GPU", ">14", "tokens_per_s_per_gpu", ",.0f"),
+            Column("speedup", ">8", lambda r: f"{r['speedup']:.2f}x"),
+        ], [{"dispatcher": name, "step_ms": ms, "tokens_per_s_per_gpu": args.tokens_per_rank / ms * 1e3,
+             "speedup": times["all_to_all"] / ms} for name, ms in times.items()])
     te_ep_torch.shutdown_ep_groups()
-    dist.destroy_process_group()
+    _common.close_distributed()
     return 0 if rel.item() <= 2e-2 else 1
 
 

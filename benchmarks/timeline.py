@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-from pathlib import Path
 from typing import Dict, List, Tuple
 
 Lane = List[Tuple[float, float, str]]  # (start us, duration us, kernel name)
@@ -104,19 +102,17 @@ def plot(trace_path: str, out: str, title: str) -> None:
 
 
 def record(args) -> None:
+    # Here, not at the top: plotting needs neither torch nor a process group.
+    import _common  # first: it sets the environment NCCL reads when it initialises
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import te_ep_torch as te
     from te_ep_torch.testing.moe_blocks import MoEConfig, TeEpMoEBlock
 
-    cuda = torch.cuda.is_available() and not args.cpu
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    device = _common.init_distributed("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    cuda = device.type == "cuda"
     rank = dist.get_rank()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     config = MoEConfig(hidden=args.hidden, ffn=args.ffn, num_experts=args.experts, top_k=args.top_k, dtype=dtype,
                        shared_ffn=args.shared_ffn)
@@ -146,8 +142,7 @@ def record(args) -> None:
     print(f"rank {rank}: wrote {path} ({'overlapped' if not args.no_overlap else 'sequential'} layer, "
           f"backend {group.backend})", flush=True)
     group.shutdown()
-    dist.barrier()
-    dist.destroy_process_group()
+    _common.close_distributed()
 
 
 def main(argv=None) -> None:
