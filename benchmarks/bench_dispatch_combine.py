@@ -538,16 +538,19 @@ class VariantSpec:
     env_spec: str = "default"
     env: Dict[str, str] = field(default_factory=dict)
     fp8: bool = False
+    checks: str = "local"  # nccl_ep: EpGroup's checks
 
     @property
     def suffix(self) -> str:
-        return "" if self.env_spec == "default" else f"[{self.env_spec}]"
+        tags = [t for t in (self.env_spec != "default" and self.env_spec, self.checks != "local" and self.checks) if t]
+        return f"[{','.join(tags)}]" if tags else ""
 
     def group_options(self) -> Dict[str, object]:
         """The EpGroup arguments of a te_ep variant."""
         options: Dict[str, object] = {"backend": self.backend}
         if self.backend == "nccl_ep":
             options["nccl_ep_mode"] = self.mode
+            options["checks"] = self.checks
         return options
 
     def row_label(self, actual_mode: str = "") -> str:
@@ -571,7 +574,8 @@ def variant_specs(args) -> List[VariantSpec]:
     for backend in (b for b in BACKENDS if b in args.backends):
         fp8 = (False, True) if args.fp8 else (False,)
         if backend == "nccl_ep":
-            out += [VariantSpec(backend, mode, spec, env, f) for spec, env in envs for mode in args.modes for f in fp8]
+            out += [VariantSpec(backend, mode, spec, env, f, checks) for spec, env in envs for mode in args.modes
+                    for f in fp8 for checks in args.checks]
         elif backend == "reference":
             out += [VariantSpec(backend, fp8=f) for f in fp8]
         elif backend in ("nccl_ep_alone", "nccl_ep_flat"):
@@ -739,6 +743,13 @@ def table_rows(shape: Shape, results: List[Result], logical_bytes: float, remote
         return other.ms(op) / t
 
     kind_order = {"te_ep": 0, "te_ep-fp8": 1, "nccl.ep": 2, "baseline": 3}
+
+    def fastest_checks(r: Result, op: str) -> Optional[float]:
+        """The fastest check mode's ms of `op` among the variants that differ from `r` only in checks."""
+        same = [o.ms(op) for o in results if o.kind == r.kind and o.mode == r.mode and o.spec.env_spec ==
+                r.spec.env_spec and o.spec.backend == r.spec.backend and o.ms(op) is not None]
+        return min(same) if len(same) > 1 else None
+
     rows = []
     for r in sorted(results, key=lambda r: kind_order[r.kind]):
         bf16 = by_label.get(r.label.replace("te_ep-fp8/", "te_ep/", 1)) if r.kind == "te_ep-fp8" else None
@@ -774,6 +785,8 @@ def table_rows(shape: Shape, results: List[Result], logical_bytes: float, remote
                 else float("nan"),
                 "x_alone": ratio(alone, base_op, t),
                 "x_bf16": ratio(bf16, base_op, t) if op in ("dispatch_op", "dispatch") else float("nan"),
+                "checks": r.spec.checks,
+                "x_fastest_checks": t / fastest_checks(r, op) if fastest_checks(r, op) else float("nan"),
                 "check_rel_err": r.check,
                 "check_tolerance": CHECK_TOLERANCE_FP8 if r.kind == "te_ep-fp8" else CHECK_TOLERANCE,
             })
@@ -789,6 +802,7 @@ def print_table(rows: List[Dict], skipped: List[Tuple[str, str]]) -> None:
         Column("NVLink GB/s", ">12", "nvlink_GBps", ".1f"), Column("% copy", ">7", "pct_copy", ".1f"),
         Column("x a2a", ">6", "x_a2a", ".2f"), Column("x dedup", ">7", "x_dedup", ".2f"),
         Column("x alone", ">7", "x_alone", ".2f"), Column("x bf16", ">6", "x_bf16", ".2f"),
+        Column("/ fastest checks", ">16", "x_fastest_checks", ".3f"),
     ], rows)
     checks = dict.fromkeys((row["variant"], row["check_rel_err"], row["check_tolerance"]) for row in rows)
     print("check, combine(dispatch(x)) with identity experts vs top_k * x (largest error / max |top_k * x|):")
@@ -832,6 +846,10 @@ def main() -> None:
                         help="time te_ep and nccl.ep once per SPEC: 'default', or NAME=VALUE[,NAME=VALUE...] set "
                              "while their groups are created (e.g. NCCL_EP_COMM_SMS=32 or "
                              "NCCL_EP_HT_EM_LOCAL_DUP=1); rows are labelled te_ep/MODE[SPEC], nccl.ep/MODE[SPEC]")
+    parser.add_argument("--checks", nargs="+", default=["local"], choices=["local", "device", "synchronous"],
+                        help="nccl_ep: EpGroup(checks=...) of the te_ep rows, one row each; with several, the column "
+                             "'/ fastest checks' gives each op's time over the fastest mode's (docs/ops.md, "
+                             "'Check modes')")
     parser.add_argument("--fp8", action="store_true",
                         help="also time each te_ep row with FP8 dispatch (te_ep-fp8/MODE rows, quantize included)")
     parser.add_argument("--csv", help="also write the rows to this CSV file (rank 0), rewritten after each shape")

@@ -12,7 +12,7 @@ Quick start::
 from ._version import __version__
 from . import ops
 from .autograd import DispatchOutput, Fp8DispatchOutput, ep_combine, ep_dispatch, ep_dispatch_fp8
-from .group import BACKENDS, EpGroup, EpHandle, HandleConfig
+from .group import BACKENDS, CHECKS, EpGroup, EpHandle, HandleConfig
 from .ops import dequantize_fp8, quantize_fp8
 from . import permutation
 from . import moe, overlap, parallel
@@ -40,6 +40,7 @@ __all__ = [
     "__version__",
     "ops",
     "BACKENDS",
+    "CHECKS",
     "EpGroup",
     "EpHandle",
     "HandleConfig",

@@ -9,8 +9,6 @@ libraries are located on disk and opened by the extension with ``dlopen``.
 Environment:
   ``TE_EP_NCCL_EP_LIB``   absolute path of ``libnccl_ep.so`` (default: the one in
                           the installed nccl-extensions, ``nccl/ep/lib/cu13``).
-  ``TE_EP_CHECK_ROUTING`` ``1``: validate routing and detect capacity overflow
-                          synchronously, raising on every rank (debug mode).
   ``NCCL_EP_JIT_CACHE_DIR`` where NCCL EP caches compiled kernels
                           (its default: ``/tmp/nccl_ep/jit``).
 See docs/nccl_ep.md for the rest.

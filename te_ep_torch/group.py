@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-import os
+import socket
 import warnings
 import weakref
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -16,10 +16,12 @@ from torch import Tensor
 
 from . import _agreement, _nccl_ep, ops
 
-__all__ = ["EpGroup", "EpHandle", "HandleConfig", "BACKENDS", "NCCL_EP_MODES"]
+__all__ = ["EpGroup", "EpHandle", "HandleConfig", "BACKENDS", "NCCL_EP_MODES", "CHECKS"]
 
 BACKENDS = ("auto", "reference", "nccl_ep")
 NCCL_EP_MODES = ("auto", "zero_copy", "staged")
+# How a handle catches bad input (docs/ops.md, "Check modes"); the first is the default.
+CHECKS = ("local", "device", "synchronous")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 _log = logging.getLogger("te_ep_torch")
@@ -30,12 +32,15 @@ _modes_logged: set = set()
 NCCL_EP_EXPERT_MULTIPLE = _nccl_ep.expert_multiple()
 
 
-def _auto_backend(device: torch.device, num_experts: int) -> str:
+def _auto_backend(device: torch.device, num_experts: int, hosts: Sequence[str]) -> str:
     """``nccl_ep`` where it loads and fits the group, else ``reference`` (saying why)."""
     if device.type != "cuda":
         return "reference"
+    topology = nccl_ep_topology_error(hosts, num_experts)
     if num_experts % NCCL_EP_EXPERT_MULTIPLE != 0:
         reason = f"it needs num_experts to be a multiple of {NCCL_EP_EXPERT_MULTIPLE}, got {num_experts}"
+    elif topology:
+        reason = topology
     else:
         reason = _nccl_ep.availability()
     if not reason:
@@ -46,6 +51,34 @@ def _auto_backend(device: torch.device, num_experts: int) -> str:
             reason = str(exc)
     warnings.warn(f"te_ep_torch: backend='auto' uses 'reference' because nccl_ep can't serve this group: {reason}")
     return "reference"
+
+
+def _host_name() -> str:
+    """The host this rank runs on, as NCCL EP's teams see it (tests simulate hosts here)."""
+    return socket.gethostname()
+
+
+def nccl_ep_topology_error(hosts: Sequence[str], num_experts: int) -> str:
+    """Why NCCL EP can't form its teams over ranks on ``hosts`` (rank ``r`` on ``hosts[r]``),
+    or ``""``. NCCL EP splits the group into equal NVLink teams of consecutive ranks, one per
+    host, and asserts (aborting the process) where it can't: every host must hold the same
+    number of ranks, the ranks of a host must be consecutive (host-major order), and the
+    experts must divide evenly over the ranks."""
+    by_host: Dict[str, List[int]] = {}
+    for rank, host in enumerate(hosts):
+        by_host.setdefault(host, []).append(rank)
+    layout = "; ".join(f"host {host!r}: ranks {ranks}" for host, ranks in by_host.items())
+    sizes = {len(ranks) for ranks in by_host.values()}
+    if len(sizes) > 1:
+        return (f"NCCL EP needs the same number of ranks on every host (its NVLink teams are equal), got {layout}; "
+                "launch as many ranks on every host, or use backend='reference'")
+    if any(ranks != list(range(ranks[0], ranks[0] + len(ranks))) for ranks in by_host.values()):
+        return (f"NCCL EP needs the ranks in host-major order (the ranks of each host consecutive: ranks 0..k-1 on "
+                f"the first host, k..2k-1 on the next, ...), got {layout}; launch with torchrun's default rank "
+                "assignment, or use backend='reference'")
+    if num_experts % len(hosts):
+        return f"NCCL EP needs num_experts divisible by the group size {len(hosts)}, got num_experts={num_experts}"
+    return ""
 
 
 def _default_device(pg: dist.ProcessGroup) -> torch.device:
@@ -78,39 +111,6 @@ def _is_power_of_two(v: int) -> bool:
     return v > 0 and v & (v - 1) == 0
 
 
-# The variables that choose an nccl_ep handle's check mode (docs/ops.md, "Check modes"),
-# read by csrc/torch/nccl_ep_backend.cpp when each handle is created.
-_CHECK_MODE_ENV = ("TE_EP_CHECK_ROUTING", "TE_EP_DEVICE_CHECKS")
-
-
-def _env_flag(name: str) -> bool:
-    """The C++ side's rule (env_flag in nccl_ep_backend.cpp): on only when set to exactly "1"."""
-    return os.environ.get(name) == "1"
-
-
-def _handle_check_mode(backend: str) -> str:
-    """The check mode a handle of ``backend`` created now runs in, as it reads
-    ``$TE_EP_CHECK_ROUTING`` and ``$TE_EP_DEVICE_CHECKS`` (:attr:`EpHandle.check_mode`, and which of
-    the two variables chose it): create_handle agrees on it across ranks.
-
-    Only ``nccl_ep`` reads the variables; a reference handle is ``"synchronous"`` whatever they
-    are, so ranks that set them differently do not disagree on a reference handle (the
-    variables change nothing there). On ``nccl_ep``, ranks that disagree would run different
-    collectives in every ``prepare`` (the device checks' all-reduces, the synchronous mode's
-    agreement) and wait for each other forever. Both variables at once run the synchronous
-    mode *and* the device checks' all-reduces: a mode of its own here."""
-    if backend != "nccl_ep":
-        return "synchronous"
-    routing, device = (_env_flag(name) for name in _CHECK_MODE_ENV)
-    if routing and device:
-        return "synchronous (TE_EP_CHECK_ROUTING=1 and TE_EP_DEVICE_CHECKS=1)"
-    if routing:
-        return "synchronous (TE_EP_CHECK_ROUTING=1)"
-    if device:
-        return "device (TE_EP_DEVICE_CHECKS=1)"
-    return "local"
-
-
 @dataclasses.dataclass(frozen=True)
 class HandleConfig:
     """What one MoE layer dispatches: fixed when its handle is created."""
@@ -123,6 +123,8 @@ class HandleConfig:
     # torch.float8_e4m3fn for a handle that also dispatches block-scaled FP8
     # (ep_dispatch_fp8); combine and gradients stay in ``dtype``.
     dispatch_dtype: Optional[torch.dtype] = None
+    # How the handle catches bad input: one of CHECKS (docs/ops.md, "Check modes").
+    checks: str = "local"
 
 
 class EpGroup:
@@ -149,8 +151,7 @@ class EpGroup:
             symmetric windows owned by each handle: a 3x faster ``prepare`` and a
             faster dispatch, a slower ``dispatch_bwd``) or ``"auto"`` (zero-copy where
             every rank can allocate window memory, else staged, with a warning). Each
-            handle reports the mode it runs in (:attr:`EpHandle.mode`). ``None`` reads
-            ``$TE_EP_NCCL_EP_MODE``, default ``"staged"``.
+            handle reports the mode it runs in (:attr:`EpHandle.mode`).
         timeout: ``nccl_ep`` only: how long an op may take on the GPU (a
             ``datetime.timedelta`` or seconds). NCCL EP's kernels wait for the other
             ranks without a limit; te_ep's watchdog ends a process whose op has not
@@ -158,6 +159,16 @@ class EpGroup:
             handle, group and rank; ``$TE_EP_WATCHDOG``; docs/nccl_ep.md, "Timeouts").
             ``None``: the process group's own timeout, so a lost rank is detected no
             later than by torch's collectives.
+        checks: how the group's handles catch bad routing, capacity overflow, bad op
+            arguments and ranks running different handles (docs/ops.md, "Check modes"; a
+            handle may override it, :meth:`create_handle`): ``"local"`` (the default: each
+            rank drops its own bad expert ids on the device and raises at its next
+            ``prepare`` or :meth:`EpHandle.check`; no host sync, no extra collective),
+            ``"device"`` (the ranks agree on the device, one small all-reduce per op; a failed
+            step moves nothing and returns zeros everywhere, and every rank raises at
+            :meth:`EpHandle.check` or a later ``prepare``) or ``"synchronous"`` (every op
+            waits and agrees on the host; every rank raises in the op; for debugging). The
+            reference backend raises in the op on every rank whatever is chosen.
     """
 
     def __init__(
@@ -168,20 +179,27 @@ class EpGroup:
         max_tokens_per_rank: int,
         backend: str = "auto",
         device: Optional[Union[torch.device, str]] = None,
-        nccl_ep_mode: Optional[str] = None,
+        nccl_ep_mode: str = "staged",
         timeout: Union[None, float, datetime.timedelta] = None,
+        checks: str = "local",
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("EpGroup: torch.distributed is not initialized; call init_process_group first")
         pg = process_group if process_group is not None else dist.group.WORLD
         ep_size = dist.get_world_size(pg)
+        # Every rank's host, for the rules NCCL EP would otherwise assert on (collective,
+        # before any argument is checked, so every rank runs it whatever it was passed).
+        hosts: List[str] = [""] * ep_size
+        dist.all_gather_object(hosts, _host_name(), group=pg)
 
         def validated() -> Tuple[str, str, torch.device]:
-            mode = nccl_ep_mode if nccl_ep_mode is not None else os.environ.get("TE_EP_NCCL_EP_MODE", "staged")
+            mode = nccl_ep_mode
             if backend not in BACKENDS:
                 raise ValueError(f"EpGroup: backend must be one of {BACKENDS}, got {backend!r}")
             if mode not in NCCL_EP_MODES:
                 raise ValueError(f"EpGroup: nccl_ep_mode must be one of {NCCL_EP_MODES}, got {mode!r}")
+            if checks not in CHECKS:
+                raise ValueError(f"EpGroup: checks must be one of {CHECKS}, got {checks!r}")
             if not isinstance(num_experts, int) or num_experts <= 0:
                 raise ValueError(f"EpGroup: num_experts must be a positive int, got {num_experts!r}")
             if num_experts % ep_size != 0:
@@ -199,7 +217,9 @@ class EpGroup:
                 raise ValueError(f"EpGroup: device must be cpu or cuda, got {dev}")
             chosen = backend
             if chosen == "auto":
-                chosen = _auto_backend(dev, num_experts)
+                chosen = _auto_backend(dev, num_experts, hosts)
+            elif chosen == "nccl_ep" and nccl_ep_topology_error(hosts, num_experts):
+                raise ValueError(f"EpGroup: backend 'nccl_ep': {nccl_ep_topology_error(hosts, num_experts)}")
             elif chosen == "nccl_ep" and dev.type != "cuda":
                 raise ValueError(f"EpGroup: backend 'nccl_ep' needs a CUDA device, got {dev}")
             if chosen == "nccl_ep":
@@ -217,6 +237,7 @@ class EpGroup:
             "nccl_ep_mode": nccl_ep_mode,
             "device type": dev.type if dev is not None else None,
             "timeout_ms": timeout_ms,
+            "checks": checks,
         }, error)
 
         self.process_group = pg
@@ -231,6 +252,8 @@ class EpGroup:
         self.nccl_ep_mode: str = nccl_ep_mode
         # NCCL EP's wait limit in ms (0: NCCL EP's own default); see the `timeout` argument.
         self.timeout_ms: int = timeout_ms
+        # The default check mode of the group's handles (the `checks` argument).
+        self.checks: str = checks
         self._handles: "weakref.WeakValueDictionary[int, EpHandle]" = weakref.WeakValueDictionary()
         self._closed = False
 
@@ -302,13 +325,13 @@ class EpGroup:
         alignment: int = 1,
         capacity: Optional[int] = None,
         dispatch_dtype: Optional[torch.dtype] = None,
+        checks: Optional[str] = None,
     ) -> "EpHandle":
         """Creates the handle of one MoE layer.
 
         Collective over the group's process group: the ranks agree on the arguments, the
-        group's backend and NCCL EP mode, and the handle's check mode (on ``nccl_ep``, what
-        ``$TE_EP_CHECK_ROUTING`` / ``$TE_EP_DEVICE_CHECKS`` select on each rank), and every rank
-        raises the same ``ValueError`` if any differs (docs/ops.md, "Configuration agreement").
+        group's backend and NCCL EP mode, and the handle's check mode, and every rank raises
+        the same ``ValueError`` if any differs (docs/ops.md, "Configuration agreement").
 
         Args:
             top_k: experts per token.
@@ -325,8 +348,11 @@ class EpGroup:
                 FP8 rows as well (:func:`te_ep_torch.ep_dispatch_fp8`; ``hidden`` a multiple
                 of 128, of 512 on ``nccl_ep``); combine and all gradients stay in ``dtype``.
                 ``None``: ``dtype`` dispatch only.
+            checks: the handle's check mode (one of :data:`CHECKS`; see :class:`EpGroup`);
+                ``None``: the group's.
         """
         self.check_open()
+        checks = self.checks if checks is None else checks
 
         def validated() -> int:
             if not isinstance(top_k, int) or not 0 < top_k <= self.num_experts:
@@ -337,6 +363,8 @@ class EpGroup:
                 raise ValueError(f"create_handle: dtype must be one of {_DTYPES}, got {dtype}")
             if not isinstance(alignment, int) or not _is_power_of_two(alignment):
                 raise ValueError(f"create_handle: alignment must be a power of two, got {alignment!r}")
+            if checks not in CHECKS:
+                raise ValueError(f"create_handle: checks must be one of {CHECKS}, got {checks!r}")
             if dispatch_dtype is not None:
                 if dispatch_dtype != torch.float8_e4m3fn:
                     raise ValueError(
@@ -361,17 +389,17 @@ class EpGroup:
         # Collective: every rank validates, then all agree on the handle's configuration, the
         # group's backend and NCCL EP mode included (agreed by EpGroup too, but two EpGroups over
         # one process group can differ, and a rank that called another group's create_handle
-        # would enter NCCL EP's handle creation alone), and the check mode that
-        # $TE_EP_CHECK_ROUTING / $TE_EP_DEVICE_CHECKS select, read per rank when the handle is made.
+        # would enter NCCL EP's handle creation alone), and its check mode: ranks in different
+        # modes would run different collectives in every op.
         fitted, error = _agreement.local_error(validated)
         _agreement.agree(self.process_group, "create_handle", {
             "top_k": top_k, "hidden": hidden, "dtype": dtype, "alignment": alignment,
             "capacity": fitted if fitted is not None else capacity, "dispatch_dtype": dispatch_dtype,
-            "backend": self.backend, "nccl_ep_mode": self.nccl_ep_mode, "check_mode": _handle_check_mode(self.backend),
+            "backend": self.backend, "nccl_ep_mode": self.nccl_ep_mode, "checks": checks,
         }, error)
         capacity = fitted
         cfg = HandleConfig(top_k=top_k, hidden=hidden, dtype=dtype, alignment=alignment, capacity=capacity,
-                           dispatch_dtype=dispatch_dtype)
+                           dispatch_dtype=dispatch_dtype, checks=checks)
         handle = EpHandle(self, cfg)
         self._handles[handle.id] = handle
         return handle
@@ -434,6 +462,7 @@ class EpHandle:
             group.nccl_ep_mode,
             config.dispatch_dtype,
             group.timeout_ms,
+            config.checks,
         )
         # The id as a CPU tensor, which the ops take under torch.compile (see op_ids).
         self.key = torch.tensor([self.id], dtype=torch.int64)
@@ -478,22 +507,16 @@ class EpHandle:
 
     @property
     def check_mode(self) -> str:
-        """How bad routing and capacity overflow are caught (docs/ops.md, "Faults and bad input"):
-        ``"synchronous"`` (in the op, on every rank: the reference backend and ``nccl_ep`` with
-        ``TE_EP_CHECK_ROUTING=1``), ``"device"`` (``nccl_ep`` with ``TE_EP_DEVICE_CHECKS=1``:
-        agreed on the device, as are every op's argument errors; raised on every rank at
-        :meth:`check` or a later ``prepare``: the next one, or for an op after ``prepare`` the
-        one after it) or
-        ``"local"`` (``nccl_ep``'s default: each rank drops its own bad choices on the device
-        before NCCL EP sees them and records them and a capacity overflow; raised on that rank
-        only, at its next ``prepare`` or :meth:`check`)."""
+        """The check mode the handle runs (docs/ops.md, "Check modes"): its ``checks``
+        (``"local"``, ``"device"`` or ``"synchronous"``) on ``nccl_ep``; ``"synchronous"`` on the
+        reference backend, which raises in the op on every rank whatever was asked."""
         return ops.check_mode(self.id)
 
     def check(self) -> None:
         """Raises an error an earlier step recorded that no op has raised yet: in the
         ``"device"`` check mode the one the ranks agreed on, alike on every rank; in the
-        ``"local"`` mode this rank's own (bad routing the guard dropped, a capacity overflow);
-        a no-op in the ``"synchronous"`` mode, which raises in the op. Waits for the GPU: call
+        ``"local"`` mode this rank's own (bad routing it dropped, a capacity overflow); a
+        no-op in the ``"synchronous"`` mode, which raises in the op. Waits for the GPU: call
         it where the training loop synchronizes anyway (e.g. when it reads the loss), or after
         a CUDA graph's replay."""
         if self._alive:

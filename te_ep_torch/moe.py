@@ -539,6 +539,7 @@ class MoE(nn.Module):
         *,
         dtype: Optional[torch.dtype] = None,
         capacity: Optional[int] = None,
+        checks: Optional[str] = None,
     ) -> None:
         """Dispatches tokens over ``ep_group`` from now on (collective: creates a handle).
 
@@ -554,6 +555,8 @@ class MoE(nn.Module):
                 parameter dtype. Call again with another dtype to add a handle.
             capacity: receive rows per rank; ``None`` = the worst case
                 (``EpGroup.worst_case_capacity``), which no routing can overflow.
+            checks: the handle's check mode (``EpGroup``'s ``checks``); ``None``: the
+                group's. The group carries ``nccl_ep_mode`` and ``timeout``.
         """
         if ep_group.num_experts != self.num_experts:
             raise ValueError(
@@ -580,6 +583,7 @@ class MoE(nn.Module):
             alignment=self.zone_alignment(ep_group.device, dtype),
             capacity=capacity,
             dispatch_dtype=self.dispatch_dtype,
+            checks=checks,
         )
 
     def forward(self, x: Tensor, return_aux_loss: bool = False):

@@ -62,11 +62,12 @@ def create_handle(
     nccl_ep_mode: str = "staged",
     dispatch_dtype: Optional[torch.dtype] = None,
     timeout_ms: int = 0,
+    checks: str = "local",
 ) -> Tuple[int, Tensor]:
     """Registers a per-layer handle; returns ``(handle_id, handle_mem)``."""
     return torch.ops.te_ep.create_handle(
         group_name, backend, num_experts, max_tokens_per_rank, top_k, hidden, capacity, alignment, dtype, device,
-        nccl_ep_mode, dispatch_dtype, timeout_ms,
+        nccl_ep_mode, dispatch_dtype, timeout_ms, checks,
     )
 
 
@@ -87,7 +88,7 @@ def handle_info(handle_id: int) -> Tuple[str, str, int, int]:
 
 
 def check_mode(handle_id: int) -> str:
-    """How a handle catches bad routing and overflow: ``"synchronous"``, ``"device"`` or ``"local"``."""
+    """How a handle catches bad input: ``"local"``, ``"device"`` or ``"synchronous"`` (docs/ops.md, "Check modes")."""
     return str(torch.ops.te_ep.check_mode(handle_id))
 
 

@@ -63,15 +63,16 @@ def ep_group_for(
     max_tokens_per_rank: int,
     backend: str = "auto",
     device=None,
-    nccl_ep_mode: Optional[str] = None,
+    nccl_ep_mode: str = "staged",
     timeout=None,
+    checks: str = "local",
 ) -> EpGroup:
     """The :class:`EpGroup` over a 1-D mesh's (or a process group's) ranks, shared by layers.
 
     One group per ``(process group, num_experts, max_tokens_per_rank, backend, device,
-    nccl_ep_mode, timeout)`` is created and cached, so the MoE layers of a model share it;
-    each layer still gets its own handle. :func:`shutdown_ep_groups` releases them.
-    ``nccl_ep_mode`` and ``timeout`` are :class:`EpGroup`'s.
+    nccl_ep_mode, timeout, checks)`` is created and cached, so the MoE layers of a model share
+    it; each layer still gets its own handle. :func:`shutdown_ep_groups` releases them.
+    ``nccl_ep_mode``, ``timeout`` and ``checks`` are :class:`EpGroup`'s.
     """
     if isinstance(mesh_or_group, DeviceMesh):
         if mesh_or_group.ndim != 1:
@@ -82,12 +83,12 @@ def ep_group_for(
     else:
         pg = mesh_or_group if mesh_or_group is not None else dist.group.WORLD
     key = (pg.group_name, num_experts, max_tokens_per_rank, backend, None if device is None else str(device),
-           nccl_ep_mode, None if timeout is None else str(timeout))
+           nccl_ep_mode, None if timeout is None else str(timeout), checks)
     group = _EP_GROUPS.get(key)
     if group is None or group.closed:
         group = EpGroup(
             pg, num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank, backend=backend, device=device,
-            nccl_ep_mode=nccl_ep_mode, timeout=timeout,
+            nccl_ep_mode=nccl_ep_mode, timeout=timeout, checks=checks,
         )
         _EP_GROUPS[key] = group
     return group
@@ -130,6 +131,7 @@ class ExpertParallel(ParallelStyle):
         capacity: receive rows per rank; default the worst case (never overflows).
         src_data_rank: rank whose weights are scattered; ``None`` keeps each rank's own
             slice of its local (full) weights without communication.
+        nccl_ep_mode, timeout, checks: the :class:`EpGroup` options of the layers' group.
     """
 
     def __init__(
@@ -140,10 +142,16 @@ class ExpertParallel(ParallelStyle):
         dtype: Optional[torch.dtype] = None,
         capacity: Optional[int] = None,
         src_data_rank: Optional[int] = 0,
+        nccl_ep_mode: str = "staged",
+        timeout=None,
+        checks: str = "local",
     ) -> None:
         super().__init__()
         self.max_tokens_per_rank = max_tokens_per_rank
         self.backend = backend
+        self.nccl_ep_mode = nccl_ep_mode
+        self.timeout = timeout
+        self.checks = checks
         self.dtype = dtype
         self.capacity = capacity
         self.src_data_rank = src_data_rank
@@ -169,6 +177,9 @@ class ExpertParallel(ParallelStyle):
             num_experts=module.num_experts,
             max_tokens_per_rank=self.max_tokens_per_rank,
             backend=self.backend,
+            nccl_ep_mode=self.nccl_ep_mode,
+            timeout=self.timeout,
+            checks=self.checks,
         )
         module.enable_expert_parallel(group, dtype=self.dtype, capacity=self.capacity)
         return module
@@ -283,15 +294,20 @@ def parallelize_moe_model(
     blocks: Optional[Iterable[nn.Module]] = None,
     mp_policy=None,
     reshard_after_forward: bool = True,
+    nccl_ep_mode: str = "staged",
+    timeout=None,
+    checks: str = "local",
 ) -> nn.Module:
     """:class:`ExpertParallel` on ``mesh[ep_dim]`` for every MoE layer, then :func:`apply_fsdp`.
 
     ``dtype`` defaults to ``mp_policy.param_dtype`` (the dtype the experts compute in)
-    and else to the expert weights' dtype.
+    and else to the expert weights' dtype. ``nccl_ep_mode``, ``timeout`` and ``checks`` are
+    :class:`~te_ep_torch.EpGroup`'s.
     """
     if dtype is None and mp_policy is not None:
         dtype = mp_policy.param_dtype
-    style = ExpertParallel(max_tokens_per_rank=max_tokens_per_rank, backend=backend, dtype=dtype, capacity=capacity)
+    style = ExpertParallel(max_tokens_per_rank=max_tokens_per_rank, backend=backend, dtype=dtype, capacity=capacity,
+                           nccl_ep_mode=nccl_ep_mode, timeout=timeout, checks=checks)
     layers = moe_layers(model)
     if not layers:
         raise ValueError("parallelize_moe_model: the model has no te_ep_torch.moe.MoE layer")

@@ -44,6 +44,12 @@ class Ctx:
     world_size: int
     device: str  # "cpu" or "cuda:<local rank>"
     backend: str  # te_ep backend under test: "reference" or "nccl_ep"
+    nccl_ep_mode: str = "staged"  # EpGroup's nccl_ep_mode under test
+    checks: str = "local"  # EpGroup's checks under test
+
+    def group_options(self) -> dict:
+        """The EpGroup options under test, for every group a case makes."""
+        return {"nccl_ep_mode": self.nccl_ep_mode, "checks": self.checks}
 
 
 class HangError(AssertionError):

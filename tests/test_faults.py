@@ -133,8 +133,8 @@ def test_every_fault_case_declares_its_behaviour():
         assert not case.contract.shortfall
     nccl = dict(backend="nccl_ep", device="cuda")
     assert RunConfig(**nccl).variant == "nccl_ep"
-    assert RunConfig(**nccl, check_routing=True).variant == "nccl_ep+check"
-    assert RunConfig(**nccl, device_checks=True).variant == "nccl_ep+device"
+    assert RunConfig(**nccl, checks="synchronous").variant == "nccl_ep+check"
+    assert RunConfig(**nccl, checks="device").variant == "nccl_ep+device"
     assert RunConfig(backend="reference", device="cuda").variant not in fault_cases.VARIANTS
 
 
@@ -298,23 +298,24 @@ def test_guarded_routing_follows_the_one_rule_of_every_check_mode():
 
 # ---------------------------------------------------------------------------
 # the nccl_ep declarations against what docs/ops.md ("Check modes", the faults table) and
-# csrc/torch/nccl_ep_backend.cpp say each mode does (W = 2, E = 8, handle 1 of group '0',
+# csrc/torch/nccl_ep_checks.cpp say each mode does (W = 2, E = 8, handle 1 of group '0',
 # process-group timeout 20 s): accepted as declared, and a hang or a wrong output is not
 # ---------------------------------------------------------------------------
 NCCL_PG_S = 20.0
-_MODES = {"nccl_ep": {}, "nccl_ep+check": dict(check_routing=True), "nccl_ep+device": dict(device_checks=True)}
+_MODES = {"nccl_ep": {}, "nccl_ep+check": dict(checks="synchronous"), "nccl_ep+device": dict(checks="device")}
 _HANDLE = "\n(handle 1 of group '0')"
-_GUARD = ("te_ep.prepare: the routing of an earlier step on rank 1 had an expert id outside [-1, 8), first at "
-          "topk_idx[3, 0] = 8. te_ep dropped every such choice before NCCL EP saw it, so that step's outputs lack "
-          "them. TE_EP_DEVICE_CHECKS=1 makes such a step move nothing on every rank and raises it on every rank; "
-          "TE_EP_CHECK_ROUTING=1 raises in the step itself" + _HANDLE)
+_LOCAL_TAIL = (". checks='device' makes a failed step move nothing on every rank and raises it on every rank; "
+               "checks='synchronous' raises in the step itself" + _HANDLE)
+_GUARD = ("te_ep.prepare: an earlier step of this handle on rank 1 had topk_idx[3, 0] = 8 (an expert id outside "
+          "[-1, 8)). te_ep dropped every such choice before NCCL EP saw it, so that step's outputs lack them"
+          + _LOCAL_TAIL)
 _AGREED = ("te_ep.prepare: an earlier step of this handle failed on the device checks of every rank "
-           "(TE_EP_DEVICE_CHECKS=1); that step sent nothing or returned zeros (from the failing op on), and no rank "
+           "(checks='device'); that step sent nothing or returned zeros (from the failing op on), and no rank "
            "used its outputs as valid:"
            "\n  rank {rank}: {what}" + _HANDLE)
-_OVERFLOW_18 = ("te_ep.prepare: capacity overflow on rank 0: the routing needs 18 receive rows but the handle's "
-                "capacity is 13; NCCL EP dropped the rows that did not fit. Create the handle with a larger capacity "
-                "(at most EpGroup.worst_case_capacity).")
+_OVERFLOW_18 = ("te_ep.prepare: an earlier step of this handle on rank 0 had capacity overflow: the routing needs 18 "
+                "receive rows but the handle's capacity is 13 (create the handle with a larger capacity, at most "
+                "EpGroup.worst_case_capacity). NCCL EP dropped the rows that did not fit" + _LOCAL_TAIL)
 _TORCH_ABORT = ("[rank{r}]:[E ProcessGroupNCCL.cpp:2197] [PG ID 0 PG GUID 0(default_pg) Rank {r}] Process group "
                 "watchdog thread terminated with exception: [Rank {r}] Watchdog caught collective operation timeout: "
                 "WorkNCCL(SeqNum=9, OpType=ALLGATHER, NumelIn=1024, NumelOut=2048, Timeout(ms)=20000) ran for 20003 "
@@ -345,19 +346,18 @@ DOCUMENTED = [
            exit_code=WATCHDOG_EXIT_CODE),
         _r(1, "raised", _GUARD, failed_in="next prepare", output="guarded")]),
     ("expert_id_out_of_range", "nccl_ep+check", [
-        _r(0, "raised", "te_ep.prepare failed on rank 1: te_ep.prepare: topk_idx[3] = [8, 5] has an expert id "
-                        "outside [-1, 8)" + _HANDLE, failed_in="step", recovery=_OK),
-        _r(1, "raised", "te_ep.prepare: topk_idx[3] = [8, 5] has an expert id outside [-1, 8)" + _HANDLE,
+        _r(0, "raised", "te_ep.prepare failed on another rank of group '0':\n  rank 1: te_ep.prepare: "
+                        "topk_idx[3, 0] = 8 (an expert id outside [-1, 8))" + _HANDLE, failed_in="step", recovery=_OK),
+        _r(1, "raised", "te_ep.prepare: topk_idx[3, 0] = 8 (an expert id outside [-1, 8))" + _HANDLE,
            failed_in="step", recovery=_OK)]),
     ("expert_id_out_of_range", "nccl_ep+device", [
         _r(r, "raised", _AGREED.format(rank=1, what="topk_idx[3, 0] = 8 (an expert id outside [-1, 8))"),
            failed_in="next prepare", output="zeros", recovery=_OK) for r in (0, 1)]),
     ("repeated_expert", "nccl_ep+device", [
-        _r(r, "raised", _AGREED.format(rank=1, what="topk_idx[2, 1] = {rep} (the same expert twice in a row)"),
+        _r(r, "raised", _AGREED.format(rank=1, what="topk_idx[2, 1] = {rep} (an expert named twice in a token's row)"),
            failed_in="next prepare", output="zeros", recovery=_OK) for r in (0, 1)]),
     ("capacity_overflow_one_rank", "nccl_ep", [
-        _r(0, "raised", _OVERFLOW_18 + " (detected after an earlier step; set TE_EP_CHECK_ROUTING=1 to raise in the "
-                                       "overflowing step on every rank)" + _HANDLE, failed_in="next prepare",
+        _r(0, "raised", _OVERFLOW_18, failed_in="next prepare",
            output="wrong: this rank needs 18 receive rows but the capacity is 13: no output of this step can be right"),
         _r(1, "died", _te_ep_watchdog(1, "prepare"), failed_in="next prepare", output="wrong: rank 1: combine output "
            "differs in 2 rows", seconds=20.3, exit_code=WATCHDOG_EXIT_CODE)]),
@@ -535,17 +535,18 @@ def test_command_line_one_rank():
 
 
 def test_one_rank_meeting_the_contract_is_not_stale_where_the_shortfall_concerns_the_others():
-    """At W=1 the faulty rank is the only rank: nccl_ep+check's shortfall (the other ranks'
-    wording) can't be seen, so its faulty rank meeting the contract is judged as declared, not
-    STALE; the same record at W=2 with a contract-worded other rank is STALE."""
+    """At W=1 the faulty rank is the only rank: the local check mode's shortfall (the other ranks
+    are ended by the watchdog instead of raising) can't be seen, so its faulty rank meeting the
+    contract is judged as declared, not STALE; the same record at W=2 with a contract-worded
+    other rank is STALE."""
     case = fault_cases.CASES_BY_NAME["tokens_dtype_one_rank"]
     says = "te_ep.dispatch: tokens must be torch.bfloat16 (the handle's dtype), got torch.float16" + _HANDLE
     one = CaseResult(case=case.name, config=RunConfig(backend="nccl_ep", device="cuda", world_size=1,
-                                                      pg_timeout_s=NCCL_PG_S, check_routing=True),
+                                                      pg_timeout_s=NCCL_PG_S),
                      faulty=case.faulty(1), ranks=[_r(0, "raised", says, failed_in="step", recovery=_OK)])
     verdict, problems = judge(case, one)
     assert verdict == "shortfall" and "W >= 2" in problems[0], (verdict, problems)
-    two = _documented(case.name, "nccl_ep+check", [
+    two = _documented(case.name, "nccl_ep", [
         _r(0, "raised", "te_ep.dispatch failed on another rank: rank 1: " + says, failed_in="step", recovery=_OK),
         _r(1, "raised", says, failed_in="step", recovery=_OK)])
     assert judge(case, two)[0] == "STALE"

@@ -30,7 +30,7 @@ struct Api {
   decltype(&::ncclGetUniqueId) GetUniqueId = nullptr;
   decltype(&::ncclCommInitRank) CommInitRank = nullptr;
   decltype(&::ncclCommDestroy) CommDestroy = nullptr;
-  // The device checks' agreement (TE_EP_DEVICE_CHECKS=1).
+  // The device check mode's agreement (checks='device').
   decltype(&::ncclAllReduce) AllReduce = nullptr;
   // Symmetric windows of the zero-copy mode (NCCL >= 2.27).
   decltype(&::ncclMemAlloc) MemAlloc = nullptr;

@@ -2,7 +2,6 @@
 
 #if TE_EP_WITH_CUDA && TE_EP_WITH_NCCL_EP
 
-#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -149,22 +148,6 @@ void Communicator::all_reduce_sum(int32_t* data, size_t count, cudaStream_t stre
   check_nccl(api().AllReduce(data, data, count, ncclInt32, ncclSum, comm_, stream), "ncclAllReduce (device checks)");
 }
 
-namespace {
-
-// max_num_sms caps every NCCL EP kernel, the local permute/dup and the
-// routing preprocessing included, and those run fastest on all SMs; the SM
-// budget of the communication kernels alone is NCCL EP's NCCL_EP_COMM_SMS.
-void reject_removed_sms_variable() {
-  const char* value = std::getenv("TE_EP_NCCL_EP_SMS");
-  if (value == nullptr || *value == '\0') return;
-  throw std::invalid_argument(std::string("TE_EP_NCCL_EP_SMS (set to '") + value +
-                              "') was removed in te_ep_torch 0.2: it capped NCCL EP's permute and preprocessing "
-                              "kernels as well. Set NCCL_EP_COMM_SMS (read by NCCL EP when a group is created) "
-                              "for the SM budget of its communication kernels");
-}
-
-}  // namespace
-
 Group::Group(std::shared_ptr<Communicator> comm, const GroupConfig& config) : comm_(std::move(comm)), config_(config) {
   auto cfg = make_struct<ncclEpGroupConfig_t>();
   cfg.version = NCCL_EP_API_VERSION;
@@ -178,7 +161,9 @@ Group::Group(std::shared_ptr<Communicator> comm, const GroupConfig& config) : co
   cfg.rdma_buffer_size = NCCL_EP_AUTO;
   cfg.num_qp_per_rank = NCCL_EP_AUTO;
   cfg.num_channels = NCCL_EP_AUTO;
-  reject_removed_sms_variable();
+  // max_num_sms would cap every NCCL EP kernel, the local permute/dup and the
+  // routing preprocessing included, and those run fastest on all SMs; the SM
+  // budget of the communication kernels alone is NCCL EP's NCCL_EP_COMM_SMS.
   cfg.max_num_sms = NCCL_EP_AUTO;
   // TRAP (the default) aborts the process from the device on a capacity
   // overflow, which no rank can turn into an error. DROP keeps the process

@@ -194,45 +194,42 @@ struct DirtyRows {
 struct HandleState {
   int32_t recv_total_raw;  // NCCL EP's padded total of the last prepare, before any drop
   int32_t total;           // rows in use after the last prepare (<= capacity)
-  // The default mode's sticky record (overflow .. guard_first), copied to the
-  // host in one piece after each prepare (kDefaultRecordBytes):
-  int32_t overflow;        // sticky: 1 once any prepare needed more than capacity
-  int32_t worst_needed;    // largest recv_total_raw seen while overflowing
-  int32_t guard_bits;      // sticky: routing the guard dropped; bit 0 out of range, bit 1 repeated
-  int32_t guard_pad;
-  // sticky: the first bad choice the guard dropped, as (INT32_MAX - t * top_k - k) << 32
-  // | (uint32) its id: the largest is the first (atomicMax)
-  unsigned long long guard_first;
-  int32_t routing_error;   // TE_EP_CHECK_ROUTING: bit 0 out of range, bit 1 duplicate
-  int32_t first_bad_token; // TE_EP_CHECK_ROUTING: lowest token index with an error
   DirtyRows dirty_recv;    // zero-copy: the dispatch window
   DirtyRows dirty_combine; // zero-copy: the combine window
-  // Device checks (TE_EP_DEVICE_CHECKS=1), per step:
-  int32_t check_bits;      // this rank's routing: bit 0 out of range, bit 1 repeated
-  int32_t check_first_key; // lowest t * top_k + k with an error
-  int32_t poisoned;        // 1: this step's outputs are zeros (a rank's routing or capacity failed)
 };
 
-// Bytes of the default mode's sticky record, from HandleState::overflow on.
-constexpr size_t kDefaultRecordBytes = 4 * sizeof(int32_t) + sizeof(unsigned long long);
-static_assert(offsetof(HandleState, guard_first) % 8 == 0, "guard_first needs 8-byte alignment (atomicMax)");
-static_assert(offsetof(HandleState, guard_first) + sizeof(unsigned long long) - offsetof(HandleState, overflow) ==
-                  kDefaultRecordBytes,
-              "the default mode's record must be one contiguous piece");
+// ---- the check policy's device side (csrc/torch/nccl_ep_checks.cpp owns it) --
+// What this rank found in the current step, in every check mode: reset by each
+// prepare, filled by launch_check_routing and launch_finish_prepare, moved
+// into a record row by launch_publish_row.
+struct CheckScan {
+  // The first bad choice: (INT32_MAX - (t * top_k + k)) << 32 | (uint32) its id;
+  // atomicMax keeps the lowest key.
+  unsigned long long first;
+  int32_t bits;      // kBit* below
+  int32_t needed;    // receive rows the step needed, when it overflowed
+  int32_t poisoned;  // the device mode's verdict: this step's outputs are zeros
+  int32_t pad;
+};
+static_assert(offsetof(CheckScan, first) == 0, "first needs 8-byte alignment (atomicMax)");
 
-// Device checks: what each rank found in one step, gathered on every rank by a
-// sum all-reduce of [W][kRecordInts] int32 (a rank fills only its own row).
-constexpr int kRecordInts = 4;
-enum RecordField : int { kRecordBits = 0, kRecordToken = 1, kRecordChoice = 2, kRecordValue = 3 };
-// Bits of kRecordBits: routing (as routing_error) and capacity overflow, whose
-// kRecordValue is the receive rows the step needed.
-constexpr int32_t kBitOutOfRange = 1;
-constexpr int32_t kBitRepeated = 2;
-constexpr int32_t kBitOverflow = 4;
-// An argument error found on the host by a rank's op (its message stays on
-// that rank; the record says which rank and, in kRecordValue, which op).
-constexpr int32_t kBitArgument = 8;
-// kRecordValue of a kBitArgument row: the op whose arguments were bad.
+// A record: one row of kRecordInts int32 per rank. A rank fills only its own
+// row, so a sum all-reduce of records is an all-gather (the device mode); the
+// local mode keeps its own row alone, the synchronous mode formats it.
+constexpr int kRecordInts = 8;
+enum RecordField : int {
+  kRecordBits = 0,
+  kRecordToken = 1,   // the first bad choice: token,
+  kRecordChoice = 2,  // choice
+  kRecordValue = 3,   // and expert id
+  kRecordNeeded = 4,  // receive rows needed (kBitOverflow)
+  kRecordOp = 5,      // the op the row was published by (OpCode)
+  kRecordHandle = 6,  // the handle's number in its group (HandleConfig::seq); rows that differ: mismatch
+};
+constexpr int32_t kBitOutOfRange = 1;  // an expert id outside [-1, E)
+constexpr int32_t kBitRepeated = 2;    // an expert named twice in a token's row
+constexpr int32_t kBitOverflow = 4;    // more receive rows than capacity
+constexpr int32_t kBitArgument = 8;    // the op's arguments were bad on that rank (its message stays there)
 enum OpCode : int32_t {
   kOpPrepare = 1,
   kOpDispatch = 2,
@@ -241,15 +238,40 @@ enum OpCode : int32_t {
   kOpDispatchBwd = 5,
   kOpCombineBwd = 6,
 };
+// A kept record: a flag (set by the first failing step), then W rows.
+inline int64_t sticky_ints(int64_t world) { return 1 + world * kRecordInts; }
 
-// After ncclEpUpdateHandle: records overflow, writes the rows in use to
-// state->total and total_out, and clips expert_counts so that their prefix sums
-// stay within capacity (keeps a grouped GEMM in bounds on an overflowing step).
-// With `host_record` (mapped pinned memory, as the device addresses it), also
-// writes the default mode's record (kDefaultRecordBytes from state->overflow)
-// there, so the host reads it once the stream has passed this kernel.
+// The one detection kernel of every check mode: copies topk_idx [num_tokens,
+// top_k] to idx_out with every choice out of range ([-1, E)) or repeating an
+// expert earlier in its row replaced by -1 (NCCL EP never sees it), records
+// the kind and the first such choice in `scan`, and writes unrouted[t] = 1 for
+// a token left without a valid choice.
+void launch_check_routing(const void* topk_idx, void* idx_out, bool is_int64, int64_t num_tokens, int64_t top_k,
+                          int64_t num_experts, CheckScan* scan, uint8_t* unrouted, cudaStream_t stream);
+
+// Writes `record` ([world] rows): zeros, and in this rank's row what `scan`
+// holds (then cleared, poisoned excepted), `op`, `handle`, and kBitArgument
+// when `argument_error`.
+void launch_publish_row(CheckScan* scan, int64_t top_k, int64_t rank, int64_t world, int32_t op, int32_t handle,
+                        bool argument_error, int32_t* record, cudaStream_t stream);
+
+// The verdict on a record: a step failed when a row has bits set or two rows
+// name different ops or handles. Then the first failing step's record is kept
+// in `sticky` ([sticky_ints(world)]), and with `poison` the step's outputs are zeroed from now on
+// (scan->poisoned) and the `n` ids of idx (if given) become -1, so every rank
+// sends nothing.
+void launch_apply_verdict(const int32_t* record, int64_t world, bool poison, CheckScan* scan, void* idx, bool is_int64,
+                          int64_t n, int32_t* sticky, cudaStream_t stream);
+
+// Zeroes `bytes` at `ptr` (16-byte aligned) if the step is poisoned.
+void launch_zero_if_poisoned(const CheckScan* scan, void* ptr, int64_t bytes, cudaStream_t stream);
+
+// After ncclEpUpdateHandle: records an overflow in `scan`, writes the rows in
+// use to state->total and total_out, and clips expert_counts so that their
+// prefix sums stay within capacity (keeps a grouped GEMM in bounds on an
+// overflowing step).
 void launch_finish_prepare(HandleState* state, int32_t* expert_counts, int64_t num_local_experts, int32_t* total_out,
-                           int64_t capacity, int32_t* host_record, cudaStream_t stream);
+                           int64_t capacity, CheckScan* scan, cudaStream_t stream);
 
 // Zeroes rows [state->total, end) of `rows` (row_bytes each, a multiple of
 // 16) and [state->total, capacity) of recv_weights when given. `end` is
@@ -276,58 +298,10 @@ void launch_zero_unrouted_rows(const uint8_t* unrouted, int64_t num_tokens, void
                                const HandleState* state, DirtyRows* dirty, int64_t capacity, bool whole,
                                cudaStream_t stream);
 
-// unrouted[t] = 1 if row t of topk_idx [num_tokens, top_k] has no choice >= 0,
-// else 0 (the modes without the routing guard, on the ids NCCL EP receives).
-void launch_mark_unrouted(const void* topk_idx, bool is_int64, int64_t num_tokens, int64_t top_k, uint8_t* unrouted,
-                          cudaStream_t stream);
-
 // dst[0, state->total) = src[0, state->total), rows of row_bytes: brings a
 // combine input into its window, reading the row count on the device.
 void launch_copy_used_rows(const HandleState* state, const void* src, void* dst, int64_t row_bytes, int64_t capacity,
                            cudaStream_t stream);
-
-// Validates topk_idx [num_tokens, top_k]: ids in [-1, num_experts), no expert
-// twice in a row. Resets and then fills state->routing_error/first_bad_token.
-void launch_check_routing(const void* topk_idx, bool is_int64, int64_t num_tokens, int64_t top_k,
-                          int64_t num_experts, HandleState* state, cudaStream_t stream);
-
-// The default mode's routing guard: copies topk_idx to idx_out with every
-// choice that is out of range ([-1, E)) or repeats an expert earlier in its row
-// replaced by -1 (NCCL EP never sees it), and records the first such choice in
-// the sticky guard_bits / guard_first. Writes `unrouted` as
-// launch_mark_unrouted does for idx_out. No host sync; capturable.
-void launch_guard_routing(const void* topk_idx, void* idx_out, bool is_int64, int64_t num_tokens, int64_t top_k,
-                          int64_t num_experts, HandleState* state, uint8_t* unrouted, cudaStream_t stream);
-
-// ---- device checks (TE_EP_DEVICE_CHECKS=1; nccl_ep_kernels.cu) -------------
-// One step of prepare: check_routing_on_device and publish_routing write this
-// rank's row of `record` (zeroed by the caller); after the all-reduce,
-// apply_routing_verdict writes topk_idx or, if any rank failed, all -1 into
-// idx_out (so every rank sends nothing), and keeps the first failing step's
-// record in `sticky` ([1 + W * kRecordInts]: a flag, then the record). After
-// ncclEpUpdateHandle and launch_finish_prepare, publish_overflow and, after
-// its all-reduce, apply_overflow_verdict do the same for capacity overflow,
-// which poisons the step: launch_zero_if_poisoned then zeroes its outputs.
-void launch_check_routing_on_device(const void* topk_idx, bool is_int64, int64_t num_tokens, int64_t top_k,
-                                    int64_t num_experts, HandleState* state, cudaStream_t stream);
-void launch_publish_routing(const void* topk_idx, bool is_int64, int64_t top_k, int64_t rank,
-                            const HandleState* state, int32_t* record, cudaStream_t stream);
-void launch_apply_routing_verdict(const void* topk_idx, void* idx_out, bool is_int64, int64_t n, const int32_t* record,
-                                  int64_t world, HandleState* state, int32_t* sticky, cudaStream_t stream);
-void launch_publish_overflow(const HandleState* state, int64_t capacity, int64_t rank, int32_t* overflow,
-                             cudaStream_t stream);
-void launch_apply_overflow_verdict(const int32_t* overflow, int64_t world, HandleState* state, int32_t* sticky,
-                                   cudaStream_t stream);
-// The ops after prepare (dispatch .. combine_bwd): every rank writes
-// `op_code` (0: its arguments are fine) into its entry of `values` ([W],
-// publish_op_error writes every entry); after a sum all-reduce,
-// apply_op_verdict poisons the rest of the step on every rank if any entry is
-// set, and keeps the record (kBitArgument rows) in `sticky` as above.
-void launch_publish_op_error(int32_t* values, int64_t world, int64_t rank, int32_t op_code, cudaStream_t stream);
-void launch_apply_op_verdict(const int32_t* values, int64_t world, HandleState* state, int32_t* sticky,
-                             cudaStream_t stream);
-// Zeroes `bytes` at `ptr` (16-byte aligned) if the step is poisoned.
-void launch_zero_if_poisoned(const HandleState* state, void* ptr, int64_t bytes, cudaStream_t stream);
 
 }  // namespace nccl_ep
 }  // namespace te_ep

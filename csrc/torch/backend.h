@@ -9,8 +9,18 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 namespace te_ep {
+
+// How a handle catches bad routing, capacity overflow, bad op arguments and
+// ranks on different handles (docs/ops.md, "Check modes"; the nccl_ep side
+// lives in nccl_ep_checks.h). The reference backend raises in the op on every
+// rank whatever is asked.
+enum class Checks { kLocal, kDevice, kSynchronous };
+// "local", "device" or "synchronous"; anything else throws naming the argument.
+Checks parse_checks(const std::string& name);
+const char* checks_name(Checks checks);
 
 // Everything a handle was created with. The op adapters check every call's
 // arguments against it, so a mismatch is an error naming the argument rather
@@ -37,6 +47,12 @@ struct HandleConfig {
   // nccl_ep only: how long NCCL EP's kernels wait for the other ranks, in ms
   // (0: NCCL EP's default); EpGroup passes the process group's timeout.
   int64_t timeout_ms = 0;
+  Checks checks = Checks::kLocal;
+  // The handle's number among the handles created on its process group (from
+  // 1): the same on every rank, since create_handle is collective. The ops
+  // agree on it, so ranks running different handles raise instead of moving
+  // mismatched data.
+  int64_t seq = 0;
 
   int64_t num_local_experts() const { return num_experts / ep_size; }
 };
@@ -58,10 +74,12 @@ class Backend {
   // Undefined in the other modes.
   virtual at::Tensor combine_buffer() { return at::Tensor(); }
 
-  // Collective: every rank passes its own local argument error ("" if none);
-  // if any rank has one, every rank throws a message naming the failing
-  // rank(s). Runs before any data collective so no rank is left waiting.
-  virtual void agree_on_errors(const std::string& op, const std::string& local_error) = 0;
+  // Collective, before every op: agrees on this rank's argument error of `op`
+  // ("" if none) and on the op and handle each rank runs, as the handle's
+  // check mode says. Throws where the error is raised in the op; returns true
+  // when this rank must run the op on substitutes (zero rows of the prepared
+  // shapes) so that the other ranks' collectives complete.
+  virtual bool agree_on_arguments(const char* op, const std::string& local_error) = 0;
 
   // Checks the values of `topk_idx` where the backend can do so without a
   // device sync; returns the error message or "".
@@ -81,39 +99,10 @@ class Backend {
       int64_t num_tokens) = 0;
   virtual at::Tensor combine_bwd(const at::Tensor& grad_out, const at::Tensor& handle_mem) = 0;
 
-  // How bad routing and capacity overflow are caught: "synchronous" (every op,
-  // host sync; the reference backend and TE_EP_CHECK_ROUTING=1), "device"
-  // (nccl_ep with TE_EP_DEVICE_CHECKS=1: agreed on the device, raised at the
-  // next prepare or raise_pending_errors) or "local" (nccl_ep's default: each
-  // rank drops its own bad choices and records them and its overflow on the
-  // device, raised on that rank by its next prepare or raise_pending_errors).
-  virtual std::string check_mode() const { return "synchronous"; }
-  // Raises an error the device checks agreed on and the host has not raised
-  // yet (waits for the GPU); a no-op where errors are raised in the op.
+  virtual Checks checks() const { return Checks::kSynchronous; }
+  // EpHandle.check(): raises an error an earlier step recorded and no op has
+  // raised yet (waits for the GPU); a no-op where errors are raised in the op.
   virtual void raise_pending_errors() {}
-  // The "device" check mode's argument errors (comm_ops.cpp). A prepare whose
-  // arguments are bad on this rank runs on a substitute routing (no tokens)
-  // and marks the step failed in the routing agreement, so every rank sends
-  // nothing, zeroes the step's outputs and raises at its next prepare or
-  // raise_pending_errors, this rank with `error` itself.
-  virtual std::tuple<at::Tensor, at::Tensor> prepare_failed(const std::string& error) {
-    TORCH_CHECK(false, error);
-    return {};
-  }
-  // Every op after prepare (dispatch .. combine_bwd) first agrees on its
-  // arguments on the device: each rank passes its own argument error of `op`
-  // ("" if none), one small all-reduce tells every rank whether any rank's
-  // were bad, and if so the rest of the step is poisoned on every rank (its
-  // outputs are zeros) and the error is kept for raise_pending_errors (now)
-  // or the handle's prepare after next (the next one's host copy of the
-  // record is made before this op's verdict is known; waiting for it would
-  // be a host sync). Returns true when this rank must run the op on
-  // substitutes of the prepared shapes, so that the others' collective
-  // completes: its arguments are bad now, or its step already failed here.
-  virtual bool agree_on_op(const char* op, const std::string& local_error) {
-    TORCH_CHECK(false, "te_ep.", op, ": the device check mode needs the nccl_ep backend");
-    return false;
-  }
   // Called after each op of `handle_id` was launched: the nccl_ep backend
   // hands a completion marker to the watchdog (csrc/common/watchdog.h), whose
   // kernels would otherwise wait for a lost rank forever. A no-op where the
@@ -130,6 +119,17 @@ class Backend {
 };
 
 std::unique_ptr<Backend> make_reference_backend(const HandleConfig& cfg);
+
+// ---- agreement on the host (agreement.cpp), over the handle's process group -----
+// Every rank's `local` message, in rank order (truncated to 1023 bytes).
+// Collective on any process group: a sum all-reduce of int32 rows that only
+// their owner fills.
+std::vector<std::string> gather_messages(const HandleConfig& cfg, const std::string& local);
+// Collective: every rank passes its argument error of `op` ("" if none); the
+// op and the handle each rank runs are folded into the same exchange. If a
+// rank has an error, or the ranks run different ops or handles, every rank
+// throws, naming the ranks and what each ran.
+void agree_on_host(const HandleConfig& cfg, const std::string& op, const std::string& local_error);
 
 // NCCL EP's high-throughput kernels fetch routing rows and per-expert
 // weights with 16-byte copies and assert (aborting the process) that

@@ -32,6 +32,8 @@ std::unordered_map<int64_t, std::shared_ptr<HandleEntry>>& g_handles =
 // others are running, so nobody waits forever.
 std::unordered_map<int64_t, HandleConfig> g_destroyed;
 int64_t g_next_id = 1;
+// Handles created per process group so far (HandleConfig::seq).
+std::unordered_map<std::string, int64_t> g_created;
 
 std::string to_string(c10::string_view s) { return std::string(s.data(), s.size()); }
 
@@ -70,7 +72,7 @@ std::shared_ptr<HandleEntry> lookup(const char* op, int64_t handle_id) {
   msg << "te_ep." << op << ": handle_id " << handle_id
       << " was destroyed (EpHandle.destroy / EpGroup.shutdown); create a new handle";
   if (destroyed.backend == "reference") {
-    make_reference_backend(destroyed)->agree_on_errors(op, msg.str());
+    make_reference_backend(destroyed)->agree_on_arguments(op, msg.str());
   }
   TORCH_CHECK(false, msg.str());
 }
@@ -100,21 +102,24 @@ int64_t resolve_id(const char* op, int64_t handle_id, const c10::optional<at::Te
 // The first line of a message (transport errors carry long backtraces).
 std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
 
-// Runs `op` on handle `handle_id`: every rank's error agreement on `error`
-// (the first argument error found here, or empty), then `body`. A te_ep error
-// gets the handle and its group appended; a failure of a collective itself (a
-// rank exited, or did not reach the op within the process group's timeout)
-// becomes an error that names the op and the handle and says what state the
-// process is in (docs/ops.md, "Faults and bad input"). A launched op is then
-// handed to the backend's watchdog (Backend::watch). Anything else (a CUDA
-// error, running out of memory) propagates unchanged, with its type.
-template <typename F>
-auto run_op(const HandleEntry& h, int64_t handle_id, const char* op, const std::string& error, F&& body)
-    -> decltype(body()) {
+// Runs `op` on handle `handle_id`: the ranks' agreement on `error` (the first
+// argument error found here, or empty) and on the op and handle each runs
+// (Backend::agree_on_arguments), then `real`, or `substitute` where the check
+// mode has this rank run the op on zero rows of the prepared shapes so that
+// the others' collectives complete (it returns zeros in the shapes the op's
+// fake kernel gives for the caller's arguments). A te_ep error gets the handle
+// and its group appended; a failure of a collective itself (a rank exited, or
+// did not reach the op within the process group's timeout) becomes an error
+// that names the op and the handle and says what state the process is in
+// (docs/ops.md, "Faults and bad input"). A launched op is then handed to the
+// backend's watchdog (Backend::watch). Anything else (a CUDA error, running out
+// of memory) propagates unchanged, with its type.
+template <typename Real, typename Substitute>
+auto run_op(const HandleEntry& h, int64_t handle_id, const char* op, const std::string& error, Real&& real,
+            Substitute&& substitute) -> decltype(real()) {
   std::string transport;
   try {
-    h.backend->agree_on_errors(op, error);
-    auto result = body();
+    auto result = h.backend->agree_on_arguments(op, error) ? substitute() : real();
     h.backend->watch(op, handle_id);
     return result;
   } catch (const c10::DistError& e) {
@@ -229,22 +234,6 @@ void check_num_tokens(ArgCheck& check, HandleEntry& h, const at::Tensor& handle_
       num_tokens);
 }
 
-// ---- the ops after prepare in the "device" check mode --------------------------
-// Every rank first agrees on the op's argument errors on the device
-// (Backend::agree_on_op). A rank whose arguments are bad, or whose step already
-// failed (a bad prepare, or an earlier op of the step), then runs the op on
-// substitutes: zero rows of the prepared shapes, so the other ranks'
-// collective completes. It returns zeros in the shapes the op's fake kernel
-// gives for the caller's arguments; every other rank's outputs are zeroed by
-// the poisoned step. The error is raised on every rank by EpHandle.check() or
-// a later prepare. Elsewhere the ranks agree on errors by agree_on_errors.
-template <typename Real, typename Substitute>
-auto run_step_op(HandleEntry& h, int64_t handle_id, const char* op, const std::string& error, Real&& real,
-                 Substitute&& substitute) -> decltype(real()) {
-  if (h.backend->check_mode() != "device") return run_op(h, handle_id, op, error, real);
-  return run_op(h, handle_id, op, "", [&] { return h.backend->agree_on_op(op, error) ? substitute() : real(); });
-}
-
 // Rows of the last prepare on this rank (0 after a failed prepare).
 int64_t prepared_rows(HandleEntry& h, const at::Tensor& handle_mem) {
   return std::max<int64_t>(h.backend->prepared_num_tokens(handle_mem), 0);
@@ -274,8 +263,10 @@ at::Tensor zero_weights(const HandleConfig& cfg, int64_t rows) {
 std::tuple<int64_t, at::Tensor> create_handle(
     c10::string_view group_name, c10::string_view backend, int64_t num_experts, int64_t max_tokens_per_rank,
     int64_t top_k, int64_t hidden, int64_t capacity, int64_t alignment, at::ScalarType dtype, at::Device device,
-    c10::string_view nccl_ep_mode, std::optional<at::ScalarType> dispatch_dtype, int64_t timeout_ms) {
+    c10::string_view nccl_ep_mode, std::optional<at::ScalarType> dispatch_dtype, int64_t timeout_ms,
+    c10::string_view checks) {
   HandleConfig cfg;
+  cfg.checks = parse_checks(to_string(checks));
   cfg.group_name = to_string(group_name);
   cfg.backend = to_string(backend);
   cfg.nccl_ep_mode = to_string(nccl_ep_mode);
@@ -331,6 +322,10 @@ std::tuple<int64_t, at::Tensor> create_handle(
   cfg.dtype = dtype;
   cfg.device = device;
 
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    cfg.seq = ++g_created[cfg.group_name];
+  }
   auto entry = std::make_shared<HandleEntry>();
   entry->cfg = cfg;
   entry->backend = cfg.backend == "reference" ? make_reference_backend(cfg) : make_nccl_ep_backend(cfg);
@@ -364,7 +359,7 @@ std::tuple<std::string, std::string, int64_t, int64_t> handle_info(int64_t handl
           h->handle_mem_numel * static_cast<int64_t>(c10::elementSize(h->handle_mem_dtype))};
 }
 
-std::string check_mode(int64_t handle_id) { return lookup("check_mode", handle_id)->backend->check_mode(); }
+std::string check_mode(int64_t handle_id) { return checks_name(lookup("check_mode", handle_id)->backend->checks()); }
 
 void check_handle(int64_t handle_id) {
   auto h = lookup("check_handle", handle_id);
@@ -424,12 +419,13 @@ std::tuple<at::Tensor, at::Tensor> prepare(
     error = h->backend->validate_routing(topk_idx);
     if (!error.empty()) error = "te_ep.prepare: " + error;
   }
-  if (!error.empty() && h->backend->check_mode() == "device") {
-    // Agreed with the routing on the device: no rank is left waiting.
-    return run_op(*h, handle_id, "prepare", "", [&] { return h->backend->prepare_failed(error); });
-  }
-  return run_op(*h, handle_id, "prepare", error,
-                [&] { return h->backend->prepare(topk_idx, handle_mem); });
+  return run_op(
+      *h, handle_id, "prepare", error, [&] { return h->backend->prepare(topk_idx, handle_mem); },
+      [&] {
+        // This rank's step moves nothing and fails on every rank (the device checks).
+        const at::Tensor no_tokens = at::empty({0, cfg.top_k}, at::TensorOptions().dtype(at::kLong).device(cfg.device));
+        return h->backend->prepare(no_tokens, handle_mem);
+      });
 }
 
 std::tuple<at::Tensor, at::Tensor> dispatch(
@@ -447,7 +443,7 @@ std::tuple<at::Tensor, at::Tensor> dispatch(
   check.dtype(topk_weights, "topk_weights", at::kFloat, "");
   check.size(topk_weights, "topk_weights", 0, check.ok() ? tokens.size(0) : 0, "num_tokens");
   check.size(topk_weights, "topk_weights", 1, cfg.top_k, "the handle's top_k");
-  return run_step_op(
+  return run_op(
       *h, handle_id, "dispatch", check.error(),
       [&] { return h->backend->dispatch(tokens, topk_weights, handle_mem); },
       [&] {
@@ -483,7 +479,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_fp8(
   check.dtype(topk_weights, "topk_weights", at::kFloat, "");
   check.size(topk_weights, "topk_weights", 0, num_tokens, "num_tokens");
   check.size(topk_weights, "topk_weights", 1, cfg.top_k, "the handle's top_k");
-  return run_step_op(
+  return run_op(
       *h, handle_id, "dispatch_fp8", check.error(),
       [&] { return h->backend->dispatch_fp8(values, scales, topk_weights, handle_mem); },
       [&] {
@@ -515,7 +511,7 @@ at::Tensor combine(
   check_common(check, *h, handle_mem, group_name);
   check_recv_rows(check, cfg, expert_out, "expert_out");
   check_num_tokens(check, *h, handle_mem, num_tokens);
-  return run_step_op(
+  return run_op(
       *h, handle_id, "combine", check.error(),
       [&] { return h->backend->combine(expert_out, handle_mem, num_tokens); },
       [&] {
@@ -540,7 +536,7 @@ std::tuple<at::Tensor, at::Tensor> dispatch_bwd(
   check.dtype(grad_recv_weights, "grad_recv_weights", at::kFloat, "");
   check.size(grad_recv_weights, "grad_recv_weights", 0, cfg.capacity, "the handle's capacity");
   check_num_tokens(check, *h, handle_mem, num_tokens);
-  return run_step_op(
+  return run_op(
       *h, handle_id, "dispatch_bwd", check.error(),
       [&] { return h->backend->dispatch_bwd(grad_recv_tokens, grad_recv_weights, handle_mem, num_tokens); },
       [&] {
@@ -564,7 +560,7 @@ at::Tensor combine_bwd(
   check_common(check, *h, handle_mem, group_name);
   check.require(capacity == cfg.capacity, "capacity must be ", cfg.capacity, " (the handle's), got ", capacity);
   check_token_rows(check, *h, handle_mem, grad_out, "grad_out");
-  return run_step_op(
+  return run_op(
       *h, handle_id, "combine_bwd", check.error(), [&] { return h->backend->combine_bwd(grad_out, handle_mem); },
       [&] {
         h->backend->combine_bwd(zero_rows(cfg, prepared_rows(*h, handle_mem), cfg.hidden, cfg.dtype), handle_mem);

@@ -11,15 +11,17 @@ TORCH_LIBRARY(te_ep, m) {
   m.def(
       "create_handle(str group_name, str backend, int num_experts, int max_tokens_per_rank, "
       "int top_k, int hidden, int capacity, int alignment, ScalarType dtype, Device device, "
-      "str nccl_ep_mode=\"staged\", ScalarType? dispatch_dtype=None, int timeout_ms=0) -> (int, Tensor)");
+      "str nccl_ep_mode=\"staged\", ScalarType? dispatch_dtype=None, int timeout_ms=0, "
+      "str checks=\"local\") -> (int, Tensor)");
   m.def("destroy_handle(int handle_id) -> ()");
   m.def("live_handles() -> int[]");
   // How a handle moves tokens ("reference", "staged", "zero_copy"), why, and
   // the device bytes it holds: communication windows and handle memory.
   m.def("handle_info(int handle_id) -> (str mode, str mode_reason, int window_bytes, int handle_mem_bytes)");
-  // How bad routing and capacity overflow are caught ("synchronous", "device"
-  // or "local"; docs/ops.md, "Faults and bad input"), and, for "device", raise
-  // an error the ranks agreed on that no op has raised yet (waits for the GPU).
+  // How the handle catches bad input ("local", "device" or "synchronous", as
+  // create_handle's `checks`; "synchronous" on the reference backend whatever
+  // was asked: docs/ops.md, "Check modes"), and raise an error an earlier step
+  // recorded that no op has raised yet (waits for the GPU).
   m.def("check_mode(int handle_id) -> str");
   m.def("check_handle(int handle_id) -> ()");
   // Zero-copy mode: the [capacity, hidden] window combine reads from; None otherwise.

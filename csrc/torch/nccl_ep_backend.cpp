@@ -6,9 +6,9 @@
 // (handles, their windows and ncclEpInitHandle are created before capture).
 // In the zero-copy mode the receive rows live in NCCL symmetric windows owned
 // by the handle; the tensors over them that the ops return stay valid as
-// docs/ops.md says. TE_EP_CHECK_ROUTING=1 trades the absence of host syncs for
-// synchronous checks agreed on by every rank; see docs/nccl_ep.md. Builds
-// without NCCL EP get the stand-ins of nccl_ep_private_ops.cpp instead.
+// docs/ops.md says. How bad input is caught is the handle's check policy
+// (nccl_ep_checks.h). Builds without NCCL EP get the stand-ins of
+// nccl_ep_private_ops.cpp instead.
 #include <string>
 
 #include "torch/backend.h"
@@ -39,6 +39,7 @@
 #include "common/watchdog.h"
 #include "torch/dtype.h"
 #include "common/routing.h"
+#include "torch/nccl_ep_checks.h"
 
 namespace te_ep {
 
@@ -64,15 +65,8 @@ DType to_dtype(at::ScalarType type) {
   return *dtype;
 }
 
-bool is_capturing(cudaStream_t stream) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
-  return status != cudaStreamCaptureStatusNone;
-}
-
-// Collectives through the torch process group: the bootstrap of our NCCL
-// communicator and the error agreement of TE_EP_CHECK_ROUTING=1. They use the
-// group's CUDA backend when it has one (NCCL) and its CPU backend otherwise.
+// The bootstrap of our NCCL communicator runs through the torch process group:
+// on its CUDA backend when it has one (NCCL), else on its CPU backend.
 at::Device collective_device(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const at::Device& cuda_device) {
   for (const auto& device : pg->getDeviceTypes()) {
     if (device.is_cuda()) return cuda_device;
@@ -92,36 +86,6 @@ ne::UniqueId broadcast_unique_id(const c10::intrusive_ptr<c10d::ProcessGroup>& p
   at::Tensor received = buffers[0].cpu();
   std::memcpy(id.data(), received.data_ptr(), id.size());
   return id;
-}
-
-// Every rank's `local` message (truncated to a fixed width), in rank order.
-std::vector<std::string> allgather_messages(const std::string& group_name, const at::Device& device,
-                                            const std::string& local) {
-  constexpr int64_t kWidth = 1024;
-  auto pg = c10d::resolve_process_group(group_name);
-  const at::Device where = collective_device(pg, device);
-  at::Tensor mine = at::zeros({kWidth}, at::kByte);
-  std::memcpy(mine.data_ptr(), local.data(), std::min<size_t>(local.size(), kWidth - 1));
-  std::vector<at::Tensor> inputs{mine.to(where)};
-  std::vector<std::vector<at::Tensor>> outputs(1);
-  for (int r = 0; r < pg->getSize(); ++r) outputs[0].push_back(at::empty({kWidth}, mine.options().device(where)));
-  pg->allgather(outputs, inputs)->wait();
-  std::vector<std::string> messages;
-  for (const auto& t : outputs[0]) {
-    at::Tensor host = t.cpu();
-    messages.emplace_back(static_cast<const char*>(host.data_ptr()));
-  }
-  return messages;
-}
-
-// Collective: throws on every rank if any rank has a message.
-void agree(const std::string& group_name, const at::Device& device, const std::string& op,
-           const std::string& local) {
-  const auto messages = allgather_messages(group_name, device, local);
-  TORCH_CHECK(local.empty(), local);
-  for (size_t r = 0; r < messages.size(); ++r) {
-    TORCH_CHECK(messages[r].empty(), "te_ep.", op, " failed on rank ", r, ": ", messages[r]);
-  }
 }
 
 // Groups with the same key share one ncclEpGroup. NCCL EP sizes its receive
@@ -268,43 +232,17 @@ class WindowRows {
   std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> handed_out_;
 };
 
-// The ops whose argument errors the device checks agree on (kRecordValue of
-// a kBitArgument row).
-int32_t op_code(const std::string& op) {
-  if (op == "prepare") return ne::kOpPrepare;
-  if (op == "dispatch") return ne::kOpDispatch;
-  if (op == "dispatch_fp8") return ne::kOpDispatchFp8;
-  if (op == "combine") return ne::kOpCombine;
-  if (op == "dispatch_bwd") return ne::kOpDispatchBwd;
-  if (op == "combine_bwd") return ne::kOpCombineBwd;
-  TORCH_CHECK(false, "te_ep: no device-check code for op '", op, "'");
-  return 0;
-}
-
-std::string op_name(int32_t code) {
-  switch (code) {
-    case ne::kOpDispatch: return "dispatch";
-    case ne::kOpDispatchFp8: return "dispatch_fp8";
-    case ne::kOpCombine: return "combine";
-    case ne::kOpDispatchBwd: return "dispatch_bwd";
-    case ne::kOpCombineBwd: return "combine_bwd";
-    default: return "prepare";
-  }
-}
-
 class NcclEpBackend final : public Backend {
  public:
-  NcclEpBackend(const HandleConfig& cfg, std::shared_ptr<ne::Group> group, bool check_routing,
-                bool device_checks, std::string mode_reason)
+  NcclEpBackend(const HandleConfig& cfg, std::shared_ptr<ne::Group> group, std::string mode_reason)
       : cfg_(cfg),
         group_(std::move(group)),
         dtype_(to_dtype(cfg.dtype)),
-        check_routing_(check_routing),
-        device_checks_(device_checks && !check_routing),
         zero_copy_(group_->config().zero_copy),
         mode_reason_(std::move(mode_reason)),
         watch_label_(" of group '" + cfg.group_name + "' (rank " + std::to_string(cfg.rank) + " of " +
-                     std::to_string(cfg.ep_size) + ")") {
+                     std::to_string(cfg.ep_size) + ")"),
+        checks_(cfg, group_->comm()) {
     c10::cuda::CUDAGuard guard(cfg_.device);
     const auto ints = at::TensorOptions().dtype(at::kInt).device(cfg_.device);
     state_ = at::zeros({static_cast<int64_t>(sizeof(ne::HandleState) / sizeof(int32_t))}, ints);
@@ -312,27 +250,6 @@ class NcclEpBackend final : public Backend {
     // valid (combine writes no row for it; zero_unrouted_rows zeroes it).
     unrouted_ = at::zeros({std::max<int64_t>(cfg_.max_tokens_per_rank, 1)},
                           at::TensorOptions().dtype(at::kByte).device(cfg_.device));
-    // The default mode's record on the host: mapped pinned memory, which the
-    // last kernel of each prepare writes directly (no copy in the stream).
-    void* record_host = nullptr;
-    C10_CUDA_CHECK(cudaHostAlloc(&record_host, ne::kDefaultRecordBytes, cudaHostAllocMapped));
-    record_host_.reset(static_cast<int32_t*>(record_host));
-    std::memset(record_host, 0, ne::kDefaultRecordBytes);
-    void* record_host_dev = nullptr;
-    C10_CUDA_CHECK(cudaHostGetDevicePointer(&record_host_dev, record_host, 0));
-    record_host_dev_ = static_cast<int32_t*>(record_host_dev);
-    C10_CUDA_CHECK(cudaEventCreateWithFlags(&overflow_ready_, cudaEventDisableTiming));
-    if (device_checks_) {
-      // [W * kRecordInts] routing record, then [W] overflow record; the later
-      // ops' record ([W]); the sticky record ([1 + W * kRecordInts]) and its
-      // host copy.
-      record_ = at::zeros({cfg_.ep_size * (ne::kRecordInts + 1)}, ints);
-      op_record_ = at::zeros({cfg_.ep_size}, ints);
-      sticky_ = at::zeros({1 + cfg_.ep_size * ne::kRecordInts}, ints);
-      sticky_host_ = at::zeros({1 + cfg_.ep_size * ne::kRecordInts},
-                               at::TensorOptions().dtype(at::kInt).pinned_memory(true));
-      C10_CUDA_CHECK(cudaEventCreateWithFlags(&sticky_ready_, cudaEventDisableTiming));
-    }
     if (zero_copy_) {
       // One registration holds both windows: the dispatch output, and the
       // combine side (combine input, combine_bwd output, dispatch_bwd input),
@@ -353,16 +270,10 @@ class NcclEpBackend final : public Backend {
       new at::Tensor(std::move(handle_mem_));
       new at::Tensor(std::move(state_));
       new at::Tensor(std::move(unrouted_));
-      (void)record_host_.release();
-      new at::Tensor(std::move(record_));
-      new at::Tensor(std::move(op_record_));
-      new at::Tensor(std::move(sticky_));
-      new at::Tensor(std::move(sticky_host_));
+      checks_.leak_at_exit();
       return;
     }
     handle_.reset();
-    if (overflow_ready_ != nullptr) cudaEventDestroy(overflow_ready_);
-    if (sticky_ready_ != nullptr) cudaEventDestroy(sticky_ready_);
   }
 
   at::Tensor allocate_handle_mem() override {
@@ -381,141 +292,42 @@ class NcclEpBackend final : public Backend {
   std::string mode() const override { return zero_copy_ ? "zero_copy" : "staged"; }
   std::string mode_reason() const override { return mode_reason_; }
   int64_t window_bytes() const override { return window_bytes_; }
+  Checks checks() const override { return checks_.mode(); }
 
   at::Tensor combine_buffer() override {
     if (!zero_copy_) return at::Tensor();
     return combine_window_.hand_out();
   }
 
-  void agree_on_errors(const std::string& op, const std::string& local_error) override {
-    if (check_routing_) {
-      agree(cfg_.group_name, cfg_.device, op, local_error);
-      return;
+  bool agree_on_arguments(const char* op, const std::string& local_error) override {
+    // Without a routing on this rank there is no step to join; raised here
+    // in every mode (every rank that skipped prepare does the same).
+    if (std::strcmp(op, "prepare") != 0 && prepared_num_tokens_ < 0) {
+      TORCH_CHECK(local_error.empty(), local_error);
+      require_prepared(op);
     }
-    // No per-step collective: agreeing needs the host to wait for every rank.
-    // The faulty rank raises; the others wait in their next NCCL EP call
-    // until the job launcher (torchrun) stops them or NCCL EP times out.
-    TORCH_CHECK(local_error.empty(), local_error);
-  }
-
-  // Checking values needs the GPU, so only TE_EP_CHECK_ROUTING=1 does it:
-  // expert ids in [-1, E), no repeats in a row. comm_ops.cpp then agrees on
-  // the result through agree_on_errors before NCCL EP sees the routing.
-  std::string validate_routing(const at::Tensor& topk_idx) override {
-    if (!check_routing_) return "";
-    c10::cuda::CUDAGuard guard(cfg_.device);
-    cudaStream_t stream = current_stream();
-    if (is_capturing(stream)) {
-      return "TE_EP_CHECK_ROUTING=1 waits for the GPU and cannot run under CUDA graph capture; unset it to capture";
-    }
-    const at::Tensor idx = topk_idx.contiguous();
-    ne::launch_check_routing(idx.data_ptr(), idx.scalar_type() == at::kLong, idx.size(0), idx.size(1),
-                             cfg_.num_experts, state(), stream);
-    int32_t host[2] = {0, 0};
-    C10_CUDA_CHECK(cudaMemcpyAsync(host, &state()->routing_error, sizeof(host), cudaMemcpyDeviceToHost, stream));
-    C10_CUDA_CHECK(cudaStreamSynchronize(stream));
-    return host[0] != 0 ? describe_bad_row(idx, host[1], host[0]) : std::string();
+    return checks_.agree_on_arguments(op, local_error);
   }
 
   std::tuple<at::Tensor, at::Tensor> prepare(const at::Tensor& topk_idx, at::Tensor& handle_mem) override {
     (void)handle_mem;
-    return prepare_step(topk_idx, nullptr);
-  }
-
-  // Device checks only (Backend::prepare_failed): the step of a rank whose
-  // prepare arguments were bad runs on a routing without tokens and fails the
-  // routing agreement on every rank (kBitArgument in this rank's row).
-  std::tuple<at::Tensor, at::Tensor> prepare_failed(const std::string& error) override {
-    TORCH_CHECK(device_checks_, error);
-    c10::cuda::CUDAGuard guard(cfg_.device);
-    const at::Tensor no_tokens =
-        at::empty({0, cfg_.top_k}, at::TensorOptions().dtype(at::kLong).device(cfg_.device));
-    auto result = prepare_step(no_tokens, &error);
-    failed_here_ = true;
-    return result;
-  }
-
-  bool agree_on_op(const char* op, const std::string& local_error) override {
-    TORCH_CHECK(device_checks_, "te_ep.", op, ": agree_on_op needs TE_EP_DEVICE_CHECKS=1");
-    // No routing on this rank: no collective to join; raised here, as in the
-    // other check modes (every rank that skipped prepare does the same).
-    if (prepared_num_tokens_ < 0) TORCH_CHECK(local_error.empty(), local_error);
-    require_prepared(op);
-    c10::cuda::CUDAGuard guard(cfg_.device);
-    cudaStream_t stream = current_stream();
-    // A rank whose step already failed publishes nothing new: that step is
-    // poisoned everywhere, and its arguments no longer match the prepared rows.
-    const bool fails_now = !failed_here_ && !local_error.empty();
-    if (fails_now) {
-      failed_here_ = true;
-      keep_own_error(local_error);
-    }
-    int32_t* values = op_record_.data_ptr<int32_t>();
-    ne::launch_publish_op_error(values, cfg_.ep_size, cfg_.rank, fails_now ? op_code(op) : 0, stream);
-    group_->comm()->all_reduce_sum(values, static_cast<size_t>(cfg_.ep_size), stream);
-    ne::launch_apply_op_verdict(values, cfg_.ep_size, state(), sticky_.data_ptr<int32_t>(), stream);
-    return failed_here_;
-  }
-
- private:
-  // `argument_error`: this rank's prepare arguments were bad (prepare_failed).
-  std::tuple<at::Tensor, at::Tensor> prepare_step(const at::Tensor& topk_idx, const std::string* argument_error) {
     require_handle("prepare");
     c10::cuda::CUDAGuard guard(cfg_.device);
     cudaStream_t stream = current_stream();
-    const bool capturing = is_capturing(stream);
-    failed_here_ = false;
-    if (device_checks_) {
-      if (!capturing) raise_agreed_error(/*wait=*/true);
-    } else if (!capturing) {
-      raise_overflow_seen_earlier();
-    }
-
-    at::Tensor idx = topk_idx.contiguous();
+    const at::Tensor idx = checks_.check_routing(topk_idx.contiguous(), unrouted(), stream);
     const int64_t num_tokens = idx.size(0);
-    const int64_t top_k = idx.size(1);
-    const bool is_int64 = idx.scalar_type() == at::kLong;
-    if (device_checks_) idx = agree_on_routing(idx, argument_error, stream);
-    if (device_checks_ || check_routing_) {
-      ne::launch_mark_unrouted(idx.data_ptr(), is_int64, num_tokens, top_k, unrouted(), stream);
-    } else {
-      // The routing guard: bad choices become -1 before NCCL EP reads them.
-      at::Tensor safe = at::empty_like(idx);
-      ne::launch_guard_routing(idx.data_ptr(), safe.data_ptr(), is_int64, num_tokens, top_k, cfg_.num_experts,
-                               state(), unrouted(), stream);
-      idx = safe;
-    }
-
     const auto int_options = at::TensorOptions().dtype(at::kInt).device(cfg_.device);
     at::Tensor expert_counts = at::empty({cfg_.num_local_experts()}, int_options);
     at::Tensor total = at::empty({1}, int_options);
-    handle_->update(idx.data_ptr(), to_dtype(idx.scalar_type()), num_tokens, top_k, expert_counts.data_ptr<int32_t>(),
-                    cfg_.num_local_experts(), &state()->recv_total_raw, stream);
-    // Default mode, outside capture: the kernel also writes the record to the
-    // host, read once overflow_ready_ has passed.
-    const bool record_to_host = !device_checks_ && !check_routing_ && !capturing;
+    handle_->update(idx.data_ptr(), to_dtype(idx.scalar_type()), num_tokens, idx.size(1),
+                    expert_counts.data_ptr<int32_t>(), cfg_.num_local_experts(), &state()->recv_total_raw, stream);
     ne::launch_finish_prepare(state(), expert_counts.data_ptr<int32_t>(), cfg_.num_local_experts(),
-                              total.data_ptr<int32_t>(), cfg_.capacity, record_to_host ? record_host_dev_ : nullptr,
-                              stream);
-    if (device_checks_) {
-      agree_on_overflow(stream);
-      if (!capturing) {
-        C10_CUDA_CHECK(cudaMemcpyAsync(sticky_host_.data_ptr(), sticky_.data_ptr(), sticky_.nbytes(),
-                                       cudaMemcpyDeviceToHost, stream));
-        C10_CUDA_CHECK(cudaEventRecord(sticky_ready_, stream));
-        sticky_pending_ = true;
-      }
-    } else if (check_routing_) {
-      check_overflow_now(stream);
-    } else if (record_to_host) {
-      C10_CUDA_CHECK(cudaEventRecord(overflow_ready_, stream));
-      overflow_pending_ = true;
-    }
+                              total.data_ptr<int32_t>(), cfg_.capacity, checks_.scan(), stream);
+    checks_.check_overflow(stream);
     prepared_num_tokens_ = num_tokens;
     return {expert_counts, total};
   }
 
- public:
   std::tuple<at::Tensor, at::Tensor> dispatch(const at::Tensor& tokens, const at::Tensor& topk_weights,
                                               const at::Tensor& handle_mem) override {
     (void)handle_mem;
@@ -534,14 +346,14 @@ class NcclEpBackend final : public Backend {
       ne::launch_zero_unused_rows(state(), recv_window_.ptr(), row_bytes(), recv_weights.data_ptr<float>(),
                                   cfg_.capacity, &state()->dirty_recv, stream);
       at::Tensor recv_tokens = recv_window_.hand_out();
-      zero_if_poisoned({recv_tokens, recv_weights}, stream);
+      checks_.zero_if_poisoned({recv_tokens, recv_weights}, stream);
       return {recv_tokens, recv_weights};
     }
     at::Tensor recv_tokens = at::empty({cfg_.capacity, cfg_.hidden}, x.options());
     handle_->dispatch_forward(x.data_ptr(), dtype_, x.size(0), cfg_.hidden, w.data_ptr<float>(), w.size(1),
                               ne::Rows::plain(recv_tokens.data_ptr()), recv_weights.data_ptr<float>(), stream);
     zero_tail_if_needed(recv_tokens, recv_weights.data_ptr<float>(), stream);
-    zero_if_poisoned({recv_tokens, recv_weights}, stream);
+    checks_.zero_if_poisoned({recv_tokens, recv_weights}, stream);
     return {recv_tokens, recv_weights};
   }
 
@@ -591,7 +403,7 @@ class NcclEpBackend final : public Backend {
     if (zero_copy_) {
       ne::launch_mark_dirty_rows(state(), &state()->dirty_recv, cfg_.capacity, /*whole=*/true, stream);
     }
-    zero_if_poisoned({recv_values, recv_scales, recv_weights}, stream);
+    checks_.zero_if_poisoned({recv_values, recv_scales, recv_weights}, stream);
     return {recv_values, recv_scales, recv_weights};
   }
 
@@ -610,7 +422,7 @@ class NcclEpBackend final : public Backend {
       handle_->combine_forward(ne::Rows::plain(y.data_ptr()), dtype_, cfg_.hidden, out.data_ptr(), num_tokens,
                                stream);
     }
-    zero_if_poisoned({out}, stream);
+    checks_.zero_if_poisoned({out}, stream);
     return out;
   }
 
@@ -635,7 +447,7 @@ class NcclEpBackend final : public Backend {
     }
     handle_->combine_backward(rows, gw.data_ptr<float>(), dtype_, cfg_.hidden, grad_tokens.data_ptr(),
                               grad_weights.data_ptr<float>(), num_tokens, cfg_.top_k, stream);
-    zero_if_poisoned({grad_tokens, grad_weights}, stream);
+    checks_.zero_if_poisoned({grad_tokens, grad_weights}, stream);
     return {grad_tokens, grad_weights};
   }
 
@@ -651,14 +463,14 @@ class NcclEpBackend final : public Backend {
       ne::launch_zero_unused_rows(state(), combine_window_.ptr(), row_bytes(), nullptr, cfg_.capacity,
                                   &state()->dirty_combine, stream);
       at::Tensor recv = combine_window_.hand_out();
-      zero_if_poisoned({recv}, stream);
+      checks_.zero_if_poisoned({recv}, stream);
       return recv;
     }
     at::Tensor recv = at::empty({cfg_.capacity, cfg_.hidden}, g.options());
     handle_->dispatch_backward(g.data_ptr(), dtype_, g.size(0), cfg_.hidden, ne::Rows::plain(recv.data_ptr()),
                                stream);
     zero_tail_if_needed(recv, nullptr, stream);
-    zero_if_poisoned({recv}, stream);
+    checks_.zero_if_poisoned({recv}, stream);
     return recv;
   }
 
@@ -682,29 +494,9 @@ class NcclEpBackend final : public Backend {
   // group's), else torch's default process-group timeout.
   int64_t watchdog_timeout_ms() const { return cfg_.timeout_ms > 0 ? cfg_.timeout_ms : kDefaultWatchdogMs; }
 
-  std::string check_mode() const override {
-    return check_routing_ ? "synchronous" : device_checks_ ? "device" : "local";
-  }
-
   void raise_pending_errors() override {
-    if (check_routing_) return;  // raised in the op itself
     c10::cuda::CUDAGuard guard(cfg_.device);
-    cudaStream_t stream = current_stream();
-    TORCH_CHECK(!is_capturing(stream), "te_ep: EpHandle.check() waits for the GPU and cannot run under CUDA graph "
-                "capture; call it after the graph's replay");
-    if (!device_checks_) {
-      // Default mode: this rank's record of every step so far.
-      copy_record_to_host(stream);
-      C10_CUDA_CHECK(cudaStreamSynchronize(stream));
-      overflow_pending_ = false;
-      raise_recorded_error();
-      return;
-    }
-    C10_CUDA_CHECK(cudaMemcpyAsync(sticky_host_.data_ptr(), sticky_.data_ptr(), sticky_.nbytes(),
-                                   cudaMemcpyDeviceToHost, stream));
-    C10_CUDA_CHECK(cudaStreamSynchronize(stream));
-    sticky_pending_ = true;
-    raise_agreed_error(/*wait=*/false);
+    checks_.raise_pending(current_stream());
   }
 
  private:
@@ -759,15 +551,6 @@ class NcclEpBackend final : public Backend {
     TORCH_CHECK(prepared_num_tokens_ >= 0, "te_ep.", op, ": call prepare on this handle first");
   }
 
-  std::string overflow_message(int32_t needed) const {
-    std::ostringstream msg;
-    msg << "te_ep.prepare: capacity overflow on rank " << cfg_.rank << ": the routing needs " << needed
-        << " receive rows but the handle's capacity is " << cfg_.capacity
-        << "; NCCL EP dropped the rows that did not fit. Create the handle with a larger capacity (at most "
-           "EpGroup.worst_case_capacity).";
-    return msg.str();
-  }
-
   // at::zeros through one cudaMemsetAsync: the combine outputs are tens of MB,
   // and this keeps their zeroing to one cheap launch on the op's path.
   static at::Tensor zeros_on(cudaStream_t stream, at::IntArrayRef sizes, const at::TensorOptions& options) {
@@ -776,195 +559,13 @@ class NcclEpBackend final : public Backend {
     return t;
   }
 
-  // Device checks: every rank checks its routing, the ranks' findings are
-  // summed into one record on every rank (a rank fills only its own row), and
-  // if any rank failed every rank sends nothing this step (all ids -1).
-  at::Tensor agree_on_routing(const at::Tensor& idx, const std::string* argument_error, cudaStream_t stream) {
-    const bool is_int64 = idx.scalar_type() == at::kLong;
-    const int64_t routing_ints = cfg_.ep_size * ne::kRecordInts;
-    C10_CUDA_CHECK(cudaMemsetAsync(record_.data_ptr(), 0, record_.nbytes(), stream));
-    ne::launch_check_routing_on_device(idx.data_ptr(), is_int64, idx.size(0), idx.size(1), cfg_.num_experts, state(),
-                                       stream);
-    ne::launch_publish_routing(idx.data_ptr(), is_int64, idx.size(1), cfg_.rank, state(),
-                               record_.data_ptr<int32_t>(), stream);
-    if (argument_error != nullptr) {  // prepare_failed: this rank's row says so
-      record_.narrow(0, cfg_.rank * ne::kRecordInts + ne::kRecordBits, 1).fill_(ne::kBitArgument);
-      record_.narrow(0, cfg_.rank * ne::kRecordInts + ne::kRecordValue, 1).fill_(ne::kOpPrepare);
-      keep_own_error(*argument_error);
-    }
-    group_->comm()->all_reduce_sum(record_.data_ptr<int32_t>(), static_cast<size_t>(routing_ints), stream);
-    at::Tensor agreed = at::empty_like(idx);
-    ne::launch_apply_routing_verdict(idx.data_ptr(), agreed.data_ptr(), is_int64, idx.numel(),
-                                     record_.data_ptr<int32_t>(), cfg_.ep_size, state(), sticky_.data_ptr<int32_t>(),
-                                     stream);
-    return agreed;
-  }
-
-  // The same for capacity overflow, known after ncclEpUpdateHandle: if any
-  // rank overflows, the step is poisoned (its outputs are zeroed) everywhere.
-  void agree_on_overflow(cudaStream_t stream) {
-    int32_t* overflow = record_.data_ptr<int32_t>() + cfg_.ep_size * ne::kRecordInts;
-    ne::launch_publish_overflow(state(), cfg_.capacity, cfg_.rank, overflow, stream);
-    group_->comm()->all_reduce_sum(overflow, static_cast<size_t>(cfg_.ep_size), stream);
-    ne::launch_apply_overflow_verdict(overflow, cfg_.ep_size, state(), sticky_.data_ptr<int32_t>(), stream);
-  }
-
-  void zero_if_poisoned(std::initializer_list<at::Tensor> outputs, cudaStream_t stream) {
-    if (!device_checks_) return;
-    for (const at::Tensor& t : outputs) ne::launch_zero_if_poisoned(state(), t.data_ptr(), t.nbytes(), stream);
-  }
-
-  // This rank's argument error, kept to name it when the agreed error is
-  // raised. The first one wins, as in the sticky record (keep_first): a later
-  // error of the same handle is not in the record that will be raised.
-  void keep_own_error(const std::string& error) {
-    if (own_argument_error_.empty()) own_argument_error_ = error;
-  }
-
-  // Raises the agreed error of an earlier step, identically on every rank: the
-  // sticky record every rank holds is the same. `wait`: the host waits for the
-  // copy made after that step's prepare (long done by the next step's).
-  void raise_agreed_error(bool wait) {
-    if (!sticky_pending_) return;
-    if (wait) C10_CUDA_CHECK(cudaEventSynchronize(sticky_ready_));
-    sticky_pending_ = false;
-    const int32_t* host = sticky_host_.data_ptr<int32_t>();
-    if (host[0] == 0) return;
-    const std::string message = agreed_error_message(host + 1);
-    own_argument_error_.clear();
-    C10_CUDA_CHECK(cudaMemsetAsync(sticky_.data_ptr(), 0, sticky_.nbytes(), current_stream()));
-    TORCH_CHECK(false, message);
-  }
-
-  std::string agreed_error_message(const int32_t* record) const {
-    std::ostringstream msg;
-    msg << "te_ep.prepare: an earlier step of this handle failed on the device checks of every rank "
-           "(TE_EP_DEVICE_CHECKS=1); that step sent nothing or returned zeros (from the failing op on), and no "
-           "rank used its outputs as valid:";
-    for (int64_t r = 0; r < cfg_.ep_size; ++r) {
-      const int32_t* row = record + r * ne::kRecordInts;
-      const int32_t bits = row[ne::kRecordBits];
-      if (bits == 0) continue;
-      msg << "\n  rank " << r << ": ";
-      if (bits & ne::kBitArgument) {
-        const std::string op = op_name(row[ne::kRecordValue]);
-        msg << "bad arguments to te_ep." << op;
-        if (r == cfg_.rank && !own_argument_error_.empty()) {
-          const std::string prefix = "te_ep." + op + ": ";
-          const bool named = own_argument_error_.rfind(prefix, 0) == 0;
-          msg << ": " << own_argument_error_.substr(named ? prefix.size() : 0);
-        } else {
-          msg << " (that rank's error names them)";
-        }
-        continue;
-      }
-      if (bits & ne::kBitOverflow) {
-        msg << "capacity overflow: the routing needs " << row[ne::kRecordValue]
-            << " receive rows but the handle's capacity is " << cfg_.capacity
-            << " (create the handle with a larger capacity, at most EpGroup.worst_case_capacity)";
-        continue;
-      }
-      msg << "topk_idx[" << row[ne::kRecordToken] << ", " << row[ne::kRecordChoice] << "] = " << row[ne::kRecordValue];
-      if (bits & ne::kBitOutOfRange) msg << " (an expert id outside [-1, " << cfg_.num_experts << "))";
-      if (bits & ne::kBitRepeated) msg << (bits & ne::kBitOutOfRange ? "; " : " (") << "the same expert twice in a row"
-                                       << (bits & ne::kBitOutOfRange ? "" : ")");
-    }
-    return msg.str();
-  }
-
-  // The default mode's sticky record into record_host_ (asynchronous).
-  void copy_record_to_host(cudaStream_t stream) {
-    C10_CUDA_CHECK(cudaMemcpyAsync(record_host_.get(), &state()->overflow, ne::kDefaultRecordBytes,
-                                   cudaMemcpyDeviceToHost, stream));
-  }
-
-  // Clears the default mode's sticky record (overflow and the routing guard's).
-  void reset_overflow(cudaStream_t stream) {
-    C10_CUDA_CHECK(cudaMemsetAsync(&state()->overflow, 0, ne::kDefaultRecordBytes, stream));
-  }
-
-  // Default mode: the record of an earlier prepare, copied asynchronously; read
-  // only once its copy has completed, so this never waits for the GPU. Raises
-  // on the faulty rank only, one or more steps late.
-  void raise_overflow_seen_earlier() {
-    if (!overflow_pending_) return;
-    const cudaError_t ready = cudaEventQuery(overflow_ready_);
-    if (ready == cudaErrorNotReady) {
-      (void)cudaGetLastError();
-      return;
-    }
-    C10_CUDA_CHECK(ready);
-    overflow_pending_ = false;
-    raise_recorded_error();
-  }
-
-  // The default mode's record, in record_host_: raises what it holds (bad
-  // routing the guard dropped first, then overflow) and clears it.
-  void raise_recorded_error() {
-    const int32_t* host = record_host_.get();
-    const int32_t overflowed = host[0];
-    const int32_t needed = host[1];
-    const int32_t guard_bits = host[2];
-    unsigned long long first = 0;
-    std::memcpy(&first, host + 4, sizeof(first));
-    if (overflowed == 0 && guard_bits == 0) return;
-    reset_overflow(current_stream());
-    if (guard_bits != 0) {
-      const int64_t key = INT32_MAX - static_cast<int64_t>(first >> 32);
-      const int32_t value = static_cast<int32_t>(static_cast<uint32_t>(first & 0xffffffffULL));
-      std::ostringstream msg;
-      msg << "te_ep.prepare: the routing of an earlier step on rank " << cfg_.rank << " had "
-          << ((guard_bits & ne::kBitOutOfRange) ? "an expert id outside [-1, " + std::to_string(cfg_.num_experts) + ")"
-                                                 : std::string("an expert named twice in a token's row"))
-          << ((guard_bits & ne::kBitOutOfRange) && (guard_bits & ne::kBitRepeated) ? " and a repeated expert" : "")
-          << ", first at topk_idx[" << key / cfg_.top_k << ", " << key % cfg_.top_k << "] = " << value
-          << ". te_ep dropped every such choice before NCCL EP saw it, so that step's outputs lack them. "
-             "TE_EP_DEVICE_CHECKS=1 makes such a step move nothing on every rank and raises it on every rank; "
-             "TE_EP_CHECK_ROUTING=1 raises in the step itself";
-      TORCH_CHECK(false, msg.str());
-    }
-    TORCH_CHECK(false, overflow_message(needed), " (detected after an earlier step; set TE_EP_CHECK_ROUTING=1 "
-                "to raise in the overflowing step on every rank)");
-  }
-
-  // TE_EP_CHECK_ROUTING=1: read the flag of this prepare now, agree.
-  void check_overflow_now(cudaStream_t stream) {
-    int32_t host[2] = {0, 0};
-    C10_CUDA_CHECK(cudaMemcpyAsync(host, &state()->overflow, sizeof(host), cudaMemcpyDeviceToHost, stream));
-    C10_CUDA_CHECK(cudaStreamSynchronize(stream));
-    std::string local;
-    if (host[0] != 0) {
-      local = overflow_message(host[1]);
-      reset_overflow(stream);
-    }
-    agree(cfg_.group_name, cfg_.device, "prepare", local);
-  }
-
-  std::string describe_bad_row(const at::Tensor& idx, int64_t token, int32_t error) const {
-    const at::Tensor row = idx[token].to(at::kCPU, at::kLong);
-    std::ostringstream msg;
-    msg << "topk_idx[" << token << "] = [";
-    for (int64_t k = 0; k < row.numel(); ++k) msg << (k ? ", " : "") << row.data_ptr<int64_t>()[k];
-    msg << "]";
-    if (error & 1) msg << " has an expert id outside [-1, " << cfg_.num_experts << ")";
-    if ((error & 1) && (error & 2)) msg << " and";
-    if (error & 2) msg << " names the same expert twice";
-    return msg.str();
-  }
-
   HandleConfig cfg_;
   std::shared_ptr<ne::Group> group_;
   ne::DType dtype_;
-  bool check_routing_;
-  bool device_checks_;
-  // Device checks: this rank's first argument error not raised yet
-  // (keep_own_error), and whether this rank's ops run on substitutes until
-  // its next prepare.
-  std::string own_argument_error_;
-  bool failed_here_ = false;
   bool zero_copy_;
   std::string mode_reason_;
   std::string watch_label_;  // " of group 'G' (rank r of W)", for the watchdog's messages
+  NcclEpChecks checks_;
   int64_t window_bytes_ = 0;
   WindowRows recv_window_;
   WindowRows combine_window_;
@@ -972,26 +573,8 @@ class NcclEpBackend final : public Backend {
   at::Tensor handle_mem_;
   at::Tensor state_;
   at::Tensor unrouted_;
-  struct FreeHost {
-    void operator()(int32_t* p) const { cudaFreeHost(p); }
-  };
-  std::unique_ptr<int32_t, FreeHost> record_host_;  // kDefaultRecordBytes of mapped pinned memory
-  int32_t* record_host_dev_ = nullptr;             // the same, as the device sees it
-  cudaEvent_t overflow_ready_ = nullptr;
-  bool overflow_pending_ = false;
-  at::Tensor record_;
-  at::Tensor op_record_;
-  at::Tensor sticky_;
-  at::Tensor sticky_host_;
-  cudaEvent_t sticky_ready_ = nullptr;
-  bool sticky_pending_ = false;
   int64_t prepared_num_tokens_ = -1;
 };
-
-bool env_flag(const char* name) {
-  const char* value = std::getenv(name);
-  return value != nullptr && std::string(value) == "1";
-}
 
 // "" if `ptr` is CUDA VMM (cuMem) memory, the kind symmetric windows are made of; else why
 // not. Asked through the driver API (cuMemRetainAllocationHandle succeeds only on VMM
@@ -1041,7 +624,7 @@ std::string window_memory_unavailable() {
 // group creation fails with "invalid usage" even staged, so every rank raises here instead,
 // saying why. Where every rank has it, windows can be made: `auto` runs zero-copy.
 std::pair<bool, std::string> choose_zero_copy(const HandleConfig& cfg) {
-  const auto messages = allgather_messages(cfg.group_name, cfg.device, window_memory_unavailable());
+  const auto messages = gather_messages(cfg, window_memory_unavailable());
   for (size_t r = 0; r < messages.size(); ++r) {
     TORCH_CHECK(messages[r].empty(), "te_ep.create_handle: backend 'nccl_ep' cannot run on rank ", r, ": ",
                 messages[r], ". NCCL EP needs NCCL's device API in every mode (staged too), and that needs CUDA "
@@ -1119,8 +702,7 @@ std::unique_ptr<Backend> make_nccl_ep_backend(const HandleConfig& cfg) {
   const GroupKey key{cfg.num_experts, send_budget, cfg.capacity, row_bytes, cfg.capacity < worst_case, zero_copy,
                      cfg.timeout_ms};
   auto group = registry().group_for(cfg, pg, key);
-  return std::make_unique<NcclEpBackend>(cfg, std::move(group), env_flag("TE_EP_CHECK_ROUTING"),
-                                         env_flag("TE_EP_DEVICE_CHECKS"), mode_reason);
+  return std::make_unique<NcclEpBackend>(cfg, std::move(group), mode_reason);
 }
 
 void release_nccl_ep_group(const std::string& group_name) { registry().release(group_name); }

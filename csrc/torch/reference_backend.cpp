@@ -23,9 +23,6 @@ constexpr int64_t kNumTokens = 1;
 constexpr int64_t kTotal = 2;
 constexpr int64_t kHeader = 3;
 
-// Longest per-rank error message carried by the error agreement.
-constexpr int64_t kMaxMessage = 1024;
-
 // Routing of the last prepare, read back on the host.
 struct Plan {
   int64_t num_tokens = 0;
@@ -55,33 +52,9 @@ class ReferenceBackend final : public Backend {
     return at::zeros({n}, at::TensorOptions().dtype(at::kLong).device(cfg_.device));
   }
 
-  void agree_on_errors(const std::string& op, const std::string& local_error) override {
-    // One row per rank; a sum-allreduce of rows that only their owner fills
-    // is an all-gather that every backend (gloo, NCCL) supports for int32.
-    at::Tensor rows = at::zeros({cfg_.ep_size, kMaxMessage}, at::kInt);
-    const int64_t n = std::min<int64_t>(static_cast<int64_t>(local_error.size()), kMaxMessage);
-    int32_t* mine = rows.data_ptr<int32_t>() + cfg_.rank * kMaxMessage;
-    for (int64_t i = 0; i < n; ++i) mine[i] = static_cast<unsigned char>(local_error[i]);
-    at::Tensor on_device = rows.to(cfg_.device);
-    std::vector<at::Tensor> bufs{on_device};
-    pg_->allreduce(bufs)->wait();
-    rows = on_device.cpu();
-
-    std::ostringstream others;
-    bool any = false;
-    const int32_t* all = rows.data_ptr<int32_t>();
-    for (int64_t r = 0; r < cfg_.ep_size; ++r) {
-      std::string msg;
-      for (int64_t i = 0; i < kMaxMessage && all[r * kMaxMessage + i] != 0; ++i)
-        msg.push_back(static_cast<char>(all[r * kMaxMessage + i]));
-      if (msg.empty() || r == cfg_.rank) continue;
-      any = true;
-      others << "\n  rank " << r << ": " << msg;
-    }
-    if (!local_error.empty()) {
-      TORCH_CHECK(false, local_error, any ? "\nother ranks also failed:" : "", others.str());
-    }
-    TORCH_CHECK(!any, "te_ep.", op, " failed on another rank of group '", cfg_.group_name, "':", others.str());
+  bool agree_on_arguments(const char* op, const std::string& local_error) override {
+    agree_on_host(cfg_, op, local_error);
+    return false;
   }
 
   std::string validate_routing(const at::Tensor& topk_idx) override {
@@ -110,7 +83,7 @@ class ReferenceBackend final : public Backend {
     }
     // Forget the old routing first: after a failed prepare the handle has none.
     handle_mem.select(0, kPrepared).fill_(0);
-    agree_on_errors("prepare", overflow);
+    agree_on_host(cfg_, "prepare", overflow);
 
     at::Tensor mem = at::zeros({handle_mem.numel()}, at::kLong);
     int64_t* m = mem.data_ptr<int64_t>();

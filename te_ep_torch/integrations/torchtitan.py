@@ -51,7 +51,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torchtit
     ) from exc
 
 from ..autograd import ep_combine, ep_dispatch, ep_dispatch_fp8
-from ..group import BACKENDS, EpHandle, nccl_ep_capacity_floor
+from ..group import BACKENDS, CHECKS, NCCL_EP_MODES, EpHandle, nccl_ep_capacity_floor
 from ..moe import GROUPED_MM_ALIGNMENT
 from ..ops import FP8_BLOCK
 from ..parallel import ep_group_for
@@ -143,6 +143,8 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
                 every rank (nothing is dropped silently).
             backend: te_ep backend (``"auto"``: NCCL EP on Hopper+ GPUs where it loads,
                 else the torch.distributed ``"reference"`` backend).
+            nccl_ep_mode, timeout, checks: :class:`te_ep_torch.EpGroup`'s options
+                (``timeout`` in seconds; ``None``: the process group's).
             fp8_dispatch: send the tokens as block-scaled FP8 (e4m3 and a float32 scale
                 per 128 values, :func:`te_ep_torch.ep_dispatch_fp8`) and dequantize them
                 before TorchTitan's grouped experts; combine and the backward stay in the
@@ -156,6 +158,9 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
         capacity_factor: float | None = None
         backend: str = "auto"
         fp8_dispatch: bool = False
+        nccl_ep_mode: str = "staged"
+        timeout: float | None = None
+        checks: str = "local"
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -167,6 +172,7 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
         self.capacity_factor = config.capacity_factor
         self.backend = config.backend
         self.fp8_dispatch = config.fp8_dispatch
+        self.group_options = {"nccl_ep_mode": config.nccl_ep_mode, "timeout": config.timeout, "checks": config.checks}
         self._handles: Dict[torch.dtype, EpHandle] = {}
 
     # ---- set-up -------------------------------------------------------------------
@@ -186,10 +192,10 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
     def _create_handle(self, dtype: torch.dtype, hidden: int, max_tokens: int) -> EpHandle:
         if self.ep_mesh is None:
             raise RuntimeError("TeEpTokenDispatcher: no EP mesh; wire_meshes(ep_mesh=...) comes first")
-        # One EpGroup per (EP process group, sizes, backend), shared by the layers; the
-        # NCCL EP mode comes from $TE_EP_NCCL_EP_MODE (docs/nccl_ep.md).
+        # One EpGroup per (EP process group, sizes, backend, options), shared by the layers.
         group = ep_group_for(
-            self.ep_mesh, num_experts=self.num_experts, max_tokens_per_rank=max_tokens, backend=self.backend
+            self.ep_mesh, num_experts=self.num_experts, max_tokens_per_rank=max_tokens, backend=self.backend,
+            **self.group_options,
         )
         capacity = None
         if self.capacity_factor is not None:
@@ -308,6 +314,12 @@ def _check_config(cfg: Any, what: str) -> None:
         raise ValueError(f"{what}: capacity_factor must be None or a float in (0, 1], got {factor!r}")
     if cfg.backend not in BACKENDS:
         raise ValueError(f"{what}: backend must be one of {BACKENDS}, got {cfg.backend!r}")
+    if cfg.nccl_ep_mode not in NCCL_EP_MODES:
+        raise ValueError(f"{what}: nccl_ep_mode must be one of {NCCL_EP_MODES}, got {cfg.nccl_ep_mode!r}")
+    if cfg.checks not in CHECKS:
+        raise ValueError(f"{what}: checks must be one of {CHECKS}, got {cfg.checks!r}")
+    if cfg.timeout is not None and not (isinstance(cfg.timeout, (int, float)) and cfg.timeout > 0):
+        raise ValueError(f"{what}: timeout must be None or a positive number of seconds, got {cfg.timeout!r}")
     if not isinstance(cfg.fp8_dispatch, bool):
         raise ValueError(f"{what}: fp8_dispatch must be a bool, got {cfg.fp8_dispatch!r}")
     if cfg.fp8_dispatch and cfg.hidden_dim is not None and cfg.hidden_dim % FP8_BLOCK:
@@ -329,6 +341,9 @@ def te_ep_dispatcher(
     capacity_factor: Optional[float] = None,
     backend: Optional[str] = None,
     fp8_dispatch: Optional[bool] = None,
+    nccl_ep_mode: Optional[str] = None,
+    timeout: Optional[float] = None,
+    checks: Optional[str] = None,
 ) -> TeEpTokenDispatcher.Config:
     """TorchTitan override: every EP token dispatcher config becomes a :class:`TeEpTokenDispatcher.Config`.
 
@@ -359,6 +374,9 @@ def te_ep_dispatcher(
             ("capacity_factor", capacity_factor),
             ("backend", backend),
             ("fp8_dispatch", fp8_dispatch),
+            ("nccl_ep_mode", nccl_ep_mode),
+            ("timeout", timeout),
+            ("checks", checks),
         )
         if value is not None
     }

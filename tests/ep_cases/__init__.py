@@ -49,6 +49,7 @@ from .errors import (
     BAD_INPUTS,
     case_bad_inputs,
     case_capacity_overflow,
+    case_check_modes,
     case_config_errors,
     case_config_mismatch,
     case_destroyed_handle,
@@ -57,6 +58,8 @@ from .errors import (
     case_device_checks_arguments,
     case_device_checks_op_arguments,
     case_routing_guard,
+    case_handle_mismatch,
+    case_nccl_ep_topology,
     case_dispatch_before_prepare,
     case_stale_backward,
 )
@@ -97,8 +100,8 @@ class Case:
     min_world: int = 2
     only_non_reference: bool = False  # needs a backend other than "reference"
     timeout: float = 60.0
-    # Expects every rank to raise when one rank's input is bad: the nccl_ep
-    # backend agrees on errors only with TE_EP_CHECK_ROUTING=1 (docs/nccl_ep.md).
+    # Expects every rank to raise in the op when one rank's input is bad: the nccl_ep
+    # backend does so only with checks='synchronous' (docs/ops.md, "Check modes").
     needs_agreement: bool = False
     # Non-empty: why only the reference backend runs the case (the GPU runner prints it).
     reference_only: str = ""
@@ -121,6 +124,9 @@ CASES = [
     Case("bad_inputs_in_a_row", case_bad_inputs, (["weights_bf16", "expert_id_too_large", "combine_num_tokens",
                                                    "hidden_mismatch"],), needs_agreement=True),
     Case("capacity_overflow", case_capacity_overflow, needs_agreement=True),
+    Case("check_modes", case_check_modes, timeout=120),
+    Case("handle_mismatch", case_handle_mismatch),
+    Case("nccl_ep_topology", case_nccl_ep_topology, world_sizes=(4,), min_world=4),
     Case("destroyed_handle", case_destroyed_handle),
     Case("destroyed_handle_one_rank", case_destroyed_handle_one_rank,
          reference_only="error agreement for a handle destroyed on some ranks only is a reference-backend feature"),

@@ -255,6 +255,7 @@ def make_group(ctx, step: Step, backend: Optional[str] = None, process_group=Non
         max_tokens_per_rank=step.max_tokens_per_rank(),
         backend=backend or ctx.backend,
         device=ctx.device,
+        **ctx.group_options(),
     )
 
 

@@ -3,9 +3,7 @@ works afterwards."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
 from typing import Callable, Sequence
 
 import torch
@@ -376,9 +374,8 @@ def case_config_mismatch(ctx) -> None:
     """Ranks that pass different configurations, or an invalid one on one rank only, to
     EpGroup or create_handle: every rank raises (no rank is left waiting in a collective),
     the message names the field and the values each rank passed; a good group and step
-    afterwards work. The fields include the backend and the NCCL EP mode (of EpGroup, and of
-    the group whose create_handle each rank calls) and the check mode that $TE_EP_CHECK_ROUTING /
-    $TE_EP_DEVICE_CHECKS select on each rank (on nccl_ep, which alone reads them)."""
+    afterwards work. The fields include the backend, the NCCL EP mode and the check mode (of
+    EpGroup, and of the group whose create_handle each rank calls, and a handle's own)."""
     W, r, dev = ctx.world_size, ctx.rank, ctx.device
     last = r == W - 1
     dt = ERROR_STEP.torch_dtype()
@@ -405,6 +402,9 @@ def case_config_mismatch(ctx) -> None:
     # The NCCL EP mode and the backend are part of it too.
     expect_raises(lambda: group(nccl_ep_mode="zero_copy" if last else "staged"), "disagree on nccl_ep_mode",
                   "rank 0: 'staged'", f"rank {W - 1}: 'zero_copy'", exc=ValueError)
+    expect_raises(lambda: group(checks="synchronous" if last else "local"), "disagree on checks",
+                  "rank 0: 'local'", f"rank {W - 1}: 'synchronous'", exc=ValueError)
+    expect_raises(lambda: group(checks="off"), "EpGroup: checks must be one of", "'off'", exc=ValueError)
     if torch.device(dev).type == "cpu":
         # nccl_ep can't serve a CPU group: the rank that asks for it fails, and every rank raises, naming it
         expect_raises(lambda: group(backend="nccl_ep" if last else ctx.backend), "EpGroup: failed on 1 of",
@@ -453,69 +453,23 @@ def case_config_mismatch(ctx) -> None:
     g.shutdown()
 
 
-@contextlib.contextmanager
-def _check_mode_vars(routing, device):
-    """$TE_EP_CHECK_ROUTING and $TE_EP_DEVICE_CHECKS set to `routing` and `device` (None: unset)
-    while handles are created (read then); both restored afterwards."""
-    names = ("TE_EP_CHECK_ROUTING", "TE_EP_DEVICE_CHECKS")
-    saved = {name: os.environ.get(name) for name in names}
-
-    def put(values):
-        for name, value in values.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-    put(dict(zip(names, (routing, device))))
-    try:
-        yield
-    finally:
-        put(saved)
-
-
-# (TE_EP_CHECK_ROUTING, TE_EP_DEVICE_CHECKS) -> the check mode an nccl_ep handle runs in, as
-# create_handle agrees on it: a variable is on only when it is exactly "1" (env_flag in
-# csrc/torch/nccl_ep_backend.cpp), TE_EP_CHECK_ROUTING=1 wins, and both at once also run the
-# device checks' collectives, so that is a mode of its own.
-CHECK_MODE_SETTINGS = [
-    ((None, None), "local"),
-    (("1", None), "synchronous (TE_EP_CHECK_ROUTING=1)"),
-    ((None, "1"), "device (TE_EP_DEVICE_CHECKS=1)"),
-    (("1", "1"), "synchronous (TE_EP_CHECK_ROUTING=1 and TE_EP_DEVICE_CHECKS=1)"),
-    (("true", "0"), "local"),
-    (("0", " 1"), "local"),
-    (("yes", "1"), "device (TE_EP_DEVICE_CHECKS=1)"),
-]
-
-
 def _check_mode_agreement(ctx, g, base: dict) -> None:
-    """The check mode that $TE_EP_CHECK_ROUTING / $TE_EP_DEVICE_CHECKS select is read per rank when
-    a handle is created: on nccl_ep, ranks that disagree would run different collectives in
-    every prepare, so create_handle raises on every rank, naming each rank's mode. The reference
-    backend ignores the variables: ranks that set them differently create their handles."""
-    from te_ep_torch.group import _handle_check_mode
-
+    """The check mode is an argument (EpGroup's `checks`, a handle's override) that create_handle
+    agrees on: ranks that pass different modes would run different collectives in every op, so
+    every rank raises, naming each rank's mode. A bad name raises ValueError naming the argument.
+    Each mode makes a handle of that mode on nccl_ep; the reference backend raises in the op on
+    every rank whatever is asked ("synchronous")."""
     W, last = ctx.world_size, ctx.rank == ctx.world_size - 1
-    for (routing, device), mode in CHECK_MODE_SETTINGS:  # the parse rule, on every rank alike
-        with _check_mode_vars(routing, device):
-            assert _handle_check_mode("nccl_ep") == mode, (routing, device, _handle_check_mode("nccl_ep"), mode)
-            assert _handle_check_mode("reference") == "synchronous", (routing, device, _handle_check_mode("reference"))
-    with _check_mode_vars(None, "1" if last else None):
-        if g.backend == "nccl_ep":
-            expect_raises(lambda: g.create_handle(**base), "create_handle", "disagree on check_mode",
-                          "rank 0: 'local'", f"rank {W - 1}: 'device (TE_EP_DEVICE_CHECKS=1)'", exc=ValueError)
-        else:
-            h = g.create_handle(**base)
-            assert h.check_mode == "synchronous", h.check_mode
-            h.destroy()
-    if g.backend == "nccl_ep":
-        # The prediction is the C++ side's: each setting, alike on every rank, makes a handle of that mode.
-        for (routing, device), mode in CHECK_MODE_SETTINGS:
-            with _check_mode_vars(routing, device):
-                h = g.create_handle(**base)
-            assert h.check_mode == mode.split(" ")[0], (routing, device, h.check_mode, mode)
-            h.destroy()
+    expect_raises(lambda: g.create_handle(**base, checks="device" if last else "local"), "create_handle",
+                  "disagree on checks", "rank 0: 'local'", f"rank {W - 1}: 'device'", exc=ValueError)
+    expect_raises(lambda: g.create_handle(**base, checks="strict"), "checks must be one of",
+                  "('local', 'device', 'synchronous')", "'strict'", exc=ValueError)
+    for mode in te.CHECKS:
+        h = g.create_handle(**base, checks=mode)
+        expected = mode if g.backend == "nccl_ep" else "synchronous"
+        assert h.check_mode == expected, (mode, h.check_mode, expected)
+        assert h.config.checks == mode, h.config
+        h.destroy()
 
 
 def _check_nccl_ep_size_rules(ctx) -> None:
@@ -564,10 +518,9 @@ def case_routing_guard(ctx) -> None:
     ranks have nothing to raise. Good steps before and after are exact."""
     W, last = ctx.world_size, ctx.rank == ctx.world_size - 1
     dev = torch.device(ctx.device)
-    for name in ("TE_EP_DEVICE_CHECKS", "TE_EP_CHECK_ROUTING"):
-        assert os.environ.get(name) != "1", f"the routing guard is the default mode: run without {name}=1"
     group = make_group(ctx, ERROR_STEP)
-    handle = group.create_handle(top_k=ERROR_STEP.top_k, hidden=ERROR_STEP.hidden, dtype=ERROR_STEP.torch_dtype())
+    handle = group.create_handle(top_k=ERROR_STEP.top_k, hidden=ERROR_STEP.hidden, dtype=ERROR_STEP.torch_dtype(),
+                                 checks="local")
     assert handle.check_mode == "local", handle.check_mode
     run_exact_step(ctx, group, handle, ERROR_STEP, ctx.rank, W, tag="routing guard, before: ")
     handle.check()  # nothing to raise
@@ -619,27 +572,16 @@ def case_routing_guard(ctx) -> None:
     group.shutdown()
 
 
-@contextlib.contextmanager
-def _device_checks_env():
-    """TE_EP_DEVICE_CHECKS=1 while handles are created (read then)."""
-    os.environ["TE_EP_DEVICE_CHECKS"] = "1"
-    try:
-        yield
-    finally:
-        del os.environ["TE_EP_DEVICE_CHECKS"]
-
-
 def _device_checked(ctx, st: Step):
     """(group, handle) for `st` with the handle in the device check mode."""
-    with _device_checks_env():
-        group = make_group(ctx, st)
-        handle = group.create_handle(top_k=st.top_k, hidden=st.hidden, dtype=st.torch_dtype())
+    group = make_group(ctx, st)
+    handle = group.create_handle(top_k=st.top_k, hidden=st.hidden, dtype=st.torch_dtype(), checks="device")
     assert handle.check_mode == "device", handle.check_mode
     return group, handle
 
 
 def case_device_checks_arguments(ctx) -> None:
-    """nccl_ep with TE_EP_DEVICE_CHECKS=1: bad arguments to prepare on one rank (more tokens
+    """nccl_ep with checks='device': bad arguments to prepare on one rank (more tokens
     than max_tokens_per_rank; then topk_idx of a float dtype) are agreed with the routing on
     the device (docs/ops.md, "Check modes"). No rank raises in the step; every op of it
     (dispatch, combine and both backward ops) completes on every rank and returns zeros; every
@@ -696,7 +638,7 @@ def case_device_checks_arguments(ctx) -> None:
 
 
 def case_device_checks_op_arguments(ctx) -> None:
-    """nccl_ep with TE_EP_DEVICE_CHECKS=1: bad arguments on one rank to an op after a good
+    """nccl_ep with checks='device': bad arguments on one rank to an op after a good
     prepare (dispatch, dispatch_fp8, also through ep_dispatch_fp8's tokens, combine, combine_bwd)
     are agreed on the device by that op
     (docs/ops.md, "Check modes"). No rank raises in the step; that op and every later op of the
@@ -777,9 +719,8 @@ def case_device_checks_op_arguments(ctx) -> None:
 
     # dispatch_fp8: scales of the wrong shape on the faulty rank (nccl_ep's FP8 needs hidden % 512 == 0)
     st8 = dataclasses.replace(st, hidden=512)
-    with _device_checks_env():
-        h8 = group.create_handle(top_k=st8.top_k, hidden=st8.hidden, dtype=dtype,
-                                 dispatch_dtype=torch.float8_e4m3fn)
+    h8 = group.create_handle(top_k=st8.top_k, hidden=st8.hidden, dtype=dtype, dispatch_dtype=torch.float8_e4m3fn,
+                             checks="device")
     values, scales = te.quantize_fp8(fingerprint(r, T, st8.hidden, dtype).to(dev))
     if last:
         scales = torch.cat([scales, scales[:, :1]], dim=1)
@@ -798,7 +739,7 @@ def case_device_checks_op_arguments(ctx) -> None:
 
 
 def case_device_checks(ctx) -> None:
-    """nccl_ep with TE_EP_DEVICE_CHECKS=1 (docs/ops.md, "Faults and bad input"): a step whose
+    """nccl_ep with checks='device' (docs/ops.md, "Faults and bad input"): a step whose
     routing is bad on one rank runs on every rank without raising, sends nothing (zero
     outputs), and the agreed error is raised on every rank by EpHandle.check() or by the
     next prepare, naming the rank and the value; a capacity overflow on one rank zeroes the
@@ -835,8 +776,7 @@ def case_device_checks(ctx) -> None:
     # Capacity overflow on rank 0 only (every choice goes there): zeros everywhere, then the error.
     hot = Step(top_k=2, hidden=16, tokens=(8,), mode="only_rank0", seed=5, max_tokens=ERROR_STEP.max_tokens)
     cap = max(2 * W, nccl_ep_capacity_floor(group.max_tokens_per_rank))
-    with _device_checks_env():
-        small = group.create_handle(top_k=2, hidden=16, dtype=torch.bfloat16, capacity=cap)
+    small = group.create_handle(top_k=2, hidden=16, dtype=torch.bfloat16, capacity=cap, checks="device")
     idx_all, w_all = all_inputs(hot, W)
     x = fingerprint(ctx.rank, 8, 16, torch.bfloat16).to(dev)
     out = te.ep_dispatch(small, x, idx_all[ctx.rank].to(dev), w_all[ctx.rank].to(dev))
@@ -844,3 +784,111 @@ def case_device_checks(ctx) -> None:
     assert not out.tokens.any() and not out.weights.any() and not y.any(), "an overflowing step must return zeros"
     expect_raises(small.check, "rank 0: capacity overflow", f"capacity is {cap}")
     group.shutdown()
+
+
+def case_check_modes(ctx) -> None:
+    """What each check mode does with a step whose routing is bad on the last rank (an expert id
+    of E), pinned by behaviour, not by the mode's name (docs/ops.md, "Check modes"):
+
+    * the reference backend, whatever is asked: every rank raises in the step itself;
+    * nccl_ep ``synchronous``: the same;
+    * nccl_ep ``device``: no rank raises in the step, whose outputs are zeros on every rank;
+      every rank raises the same error at ``check()``;
+    * nccl_ep ``local``: no rank raises in the step; the bad choice was dropped (the step equals
+      the one with that choice -1); only the faulty rank raises, at ``check()``.
+
+    Exact steps follow on the same handle in every mode."""
+    W, r, last = ctx.world_size, ctx.rank, ctx.rank == ctx.world_size - 1
+    dev, st = torch.device(ctx.device), ERROR_STEP
+    idx_all, w_all = all_inputs(st, W)
+    group = make_group(ctx, st)
+    E = group.num_experts
+    x = fingerprint(r, idx_all[r].shape[0], st.hidden, st.torch_dtype()).to(dev)
+    w = w_all[r].to(dev)
+    bad, clean = idx_all[r].clone(), idx_all[r].clone()
+    if last:
+        bad[3, 0], clean[3, 0] = E, -1
+
+    def step(idx):
+        out = te.ep_dispatch(handle, x, idx.to(dev), w)
+        return out, te.ep_combine(handle, out.tokens * out.weights[:, None].to(out.tokens.dtype), x.shape[0])
+
+    for mode in te.CHECKS:
+        handle = group.create_handle(top_k=st.top_k, hidden=st.hidden, dtype=st.torch_dtype(), checks=mode)
+        run_exact_step(ctx, group, handle, st, r, W, tag=f"checks={mode}, before: ")
+        says = (f"topk_idx[3, 0] = {E}", f"handle {handle.id}")
+        behaviour = "in the step" if group.backend == "reference" or mode == "synchronous" else mode
+        if behaviour == "in the step":
+            expect_raises(lambda: step(bad), *(says if last else ("te_ep.prepare", f"rank {W - 1}")))
+        else:
+            out, y = step(bad)  # nothing raised in the step on any rank
+            if behaviour == "device":
+                assert not out.tokens.any() and not out.weights.any() and not y.any(), \
+                    f"rank {r}: checks={mode}: the failed step's outputs must be zeros on every rank"
+                expect_raises(handle.check, f"rank {W - 1}: " + says[0], says[1])
+            else:
+                out_clean, y_clean = step(clean)
+                torch.testing.assert_close(y, y_clean, atol=0, rtol=0)
+                if last:
+                    expect_raises(handle.check, f"on rank {W - 1}", *says)
+                handle.check()  # nothing left to raise, on any rank
+        run_exact_step(ctx, group, handle, st, r, W, tag=f"checks={mode}, after: ")
+        handle.destroy()
+    group.shutdown()
+
+
+def case_handle_mismatch(ctx) -> None:
+    """Ranks that run an op on different handles of one group (here the last rank on a layer of
+    another hidden size): every rank raises a te_ep error naming what each rank ran, in the op,
+    before any data moves; no rank aborts or waits. On nccl_ep this holds in the modes that agree
+    on the host (synchronous) and, on the device, in the device mode (raised at check());
+    docs/ops.md, "Check modes", says what the local mode does."""
+    W, r, last = ctx.world_size, ctx.rank, ctx.rank == ctx.world_size - 1
+    dev, st = torch.device(ctx.device), ERROR_STEP
+    group = make_group(ctx, st)
+    checks = "synchronous" if group.backend == "nccl_ep" else ctx.checks
+    a = group.create_handle(top_k=st.top_k, hidden=st.hidden, dtype=st.torch_dtype(), checks=checks)
+    b = group.create_handle(top_k=st.top_k, hidden=2 * st.hidden, dtype=st.torch_dtype(), checks=checks)
+    idx_all, w_all = all_inputs(st, W)
+    mine = b if last else a
+    x = fingerprint(r, idx_all[r].shape[0], mine.config.hidden, st.torch_dtype()).to(dev)
+    msg = expect_raises(lambda: te.ep_dispatch(mine, x, idx_all[r].to(dev), w_all[r].to(dev)),
+                        "ran different ops or handles", "rank 0: te_ep.prepare on the group's handle #",
+                        f"rank {W - 1}: te_ep.prepare on the group's handle #", f"hidden={2 * st.hidden}",
+                        f"hidden={st.hidden}", f"handle {mine.id}")
+    assert "INTERNAL ASSERT" not in msg, msg
+    run_exact_step(ctx, group, a, st, r, W, tag="after a handle mismatch: ")
+    group.shutdown()
+
+
+def case_nccl_ep_topology(ctx) -> None:
+    """What NCCL EP would assert on (aborting the process) is a ValueError of EpGroup on every
+    rank, naming the rule and each host's ranks, before NCCL EP is called: ranks spread unevenly
+    over hosts, ranks not in host-major order. Hosts are simulated (group._host_name); with a
+    valid layout the group gets past the check (on CPU it then fails for want of a GPU)."""
+    from te_ep_torch import group as group_module
+
+    W, r = ctx.world_size, ctx.rank
+    E = 4 * W
+    real = group_module._host_name
+    try:
+        for hosts, says in (
+            (["a"] * (W - 1) + ["b"], ("same number of ranks on every host", f"host 'a': ranks {list(range(W - 1))}",
+                                       f"host 'b': ranks [{W - 1}]")),
+            (["a", "b"] * (W // 2), ("host-major order", "host 'a': ranks [0, 2", "host 'b': ranks [1, 3")),
+        ):
+            group_module._host_name = lambda: hosts[r]
+            expect_raises(lambda: te.EpGroup(None, num_experts=E, max_tokens_per_rank=8, backend="nccl_ep",
+                                             device=ctx.device), "EpGroup: backend 'nccl_ep'", *says, exc=ValueError)
+            # backend="auto" falls back to the reference backend instead, saying why
+            if torch.device(ctx.device).type == "cuda":
+                g = te.EpGroup(None, num_experts=E, max_tokens_per_rank=8, backend="auto", device=ctx.device)
+                assert g.backend == "reference", g.backend
+                g.shutdown()
+        group_module._host_name = lambda: "ab"[r * 2 // W]  # two hosts, host-major, W / 2 ranks each
+        if torch.device(ctx.device).type == "cpu":
+            expect_raises(lambda: te.EpGroup(None, num_experts=E, max_tokens_per_rank=8, backend="nccl_ep",
+                                             device=ctx.device), "needs a CUDA device", exc=ValueError)
+    finally:
+        group_module._host_name = real
+    assert te.group.nccl_ep_topology_error(["x"] * W, E + 1).startswith("NCCL EP needs num_experts divisible")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import os
 
 import torch
 import torch.distributed as dist
@@ -20,7 +19,8 @@ def case_group_api(ctx) -> None:
     """Attributes, worst-case capacity formula, handle config; auto backend."""
     W = ctx.world_size
     for E_local, maxT in ((4, 7), (8, 13)):
-        g = te.EpGroup(None, num_experts=E_local * W, max_tokens_per_rank=maxT, backend=ctx.backend, device=ctx.device)
+        g = te.EpGroup(None, num_experts=E_local * W, max_tokens_per_rank=maxT, backend=ctx.backend, device=ctx.device,
+                       **ctx.group_options())
         assert (g.rank, g.ep_size) == (ctx.rank, W), (g.rank, g.ep_size)
         assert (g.num_experts, g.num_local_experts, g.max_tokens_per_rank) == (E_local * W, E_local, maxT)
         assert g.backend == ctx.backend, g.backend
@@ -46,8 +46,7 @@ def case_group_api(ctx) -> None:
         else:
             raise AssertionError("HandleConfig is not frozen")
         assert h.id in torch.ops.te_ep.live_handles()
-        sync = g.backend == "reference" or os.environ.get("TE_EP_CHECK_ROUTING") == "1"
-        expected_mode = "synchronous" if sync else "device" if os.environ.get("TE_EP_DEVICE_CHECKS") == "1" else "local"
+        expected_mode = "synchronous" if g.backend == "reference" else ctx.checks
         assert h.check_mode == expected_mode, (h.check_mode, expected_mode)
         h.check()
         g.check()
@@ -62,6 +61,7 @@ def case_group_api(ctx) -> None:
     g12 = te.ep_group_for(None, timeout=12.0, **shared)
     assert g12.timeout_ms == 12000 and te.ep_group_for(None, timeout=12.0, **shared) is g12
     assert te.ep_group_for(None, timeout=13.0, **shared) is not g12
+    assert te.ep_group_for(None, timeout=12.0, checks="device", **shared) is not g12
     te.shutdown_ep_groups()
     if torch.device(ctx.device).type == "cpu":
         g = te.EpGroup(None, num_experts=W, max_tokens_per_rank=4, backend="auto", device=ctx.device)

@@ -13,8 +13,7 @@ uses GPU r % device_count and an NCCL process group. Verdicts: ``contract`` (mee
 wrong output), ``STALE`` (declared short of the contract, now meets it), ``measured``
 (nothing declared for this backend variant, e.g. the reference backend on CUDA; no hang, no
 wrong output). Variants: ``reference``, ``nccl_ep`` (check mode local), ``nccl_ep+check``
-(--check-routing: TE_EP_CHECK_ROUTING=1), ``nccl_ep+device`` (--device-checks:
-TE_EP_DEVICE_CHECKS=1). Exits 1 on any UNEXPECTED or STALE verdict, or a failed control.
+(--checks synchronous), ``nccl_ep+device`` (--checks device). Exits 1 on any UNEXPECTED or STALE verdict, or a failed control.
 """
 
 from __future__ import annotations
@@ -50,10 +49,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-warmup", action="store_true",
                     help="nccl_ep: skip the fault-free warm-up case that fills NCCL EP's kernel cache first (the "
                          "first use of a shape compiles for tens of seconds, which would count as a hang)")
-    ap.add_argument("--check-routing", action="store_true",
-                    help="TE_EP_CHECK_ROUTING=1 in the ranks (nccl_ep; variant nccl_ep+check)")
-    ap.add_argument("--device-checks", action="store_true",
-                    help="TE_EP_DEVICE_CHECKS=1 in the ranks (nccl_ep; variant nccl_ep+device)")
+    ap.add_argument("--checks", default="local", choices=("local", "device", "synchronous"),
+                    help="EpGroup(checks=...) in the ranks (nccl_ep; variants nccl_ep, nccl_ep+device, nccl_ep+check)")
+    ap.add_argument("--nccl-ep-mode", default="staged", choices=("staged", "zero_copy", "auto"),
+                    help="EpGroup(nccl_ep_mode=...) in the ranks")
     ap.add_argument("--start-method", default="forkserver", choices=("forkserver", "spawn"))
     ap.add_argument("-k", dest="patterns", nargs="+", default=None, metavar="SUBSTR",
                     help="only cases whose name contains one of these")
@@ -66,10 +65,9 @@ def main(argv=None) -> int:
     device = args.device or ("cuda" if args.backend == "nccl_ep" else "cpu")
     if args.backend == "nccl_ep" and device != "cuda":
         ap.error("--backend nccl_ep needs --device cuda")
-    if (args.check_routing or args.device_checks) and args.backend != "nccl_ep":
-        ap.error("--check-routing and --device-checks are modes of --backend nccl_ep")
-    if args.check_routing and args.device_checks:
-        ap.error("--check-routing and --device-checks are two modes: pick one")
+    if args.checks != "local" and args.backend != "nccl_ep":
+        ap.error("--checks chooses between behaviours of --backend nccl_ep (the reference backend always raises in "
+                 "the op)")
     if device == "cuda":
         import torch
 
@@ -78,8 +76,8 @@ def main(argv=None) -> int:
             ap.error(f"--device cuda --world-size {args.world_size}: needs one GPU per rank, found {n}")
     pg_timeout = args.pg_timeout or (DEFAULT_PG_TIMEOUT_CUDA_S if device == "cuda" else DEFAULT_PG_TIMEOUT_S)
     config = RunConfig(backend=args.backend, device=device, world_size=args.world_size,
-                       pg_timeout_s=pg_timeout, check_routing=args.check_routing,
-                       device_checks=args.device_checks,
+                       pg_timeout_s=pg_timeout, checks=args.checks,
+                       nccl_ep_mode=args.nccl_ep_mode,
                        start_method=args.start_method)
     selected = [c for c in fault_cases.CASES + (fault_cases.CONTROLS if args.controls else [])
                 if not args.patterns or any(p in c.name for p in args.patterns)]

@@ -14,10 +14,10 @@ the check modes that record an error instead of raising it in the step raise it:
 raise is measured and judged like any other.
 
 `Case.contract` is what the contract asks; `Case.behaviour` maps every variant of `VARIANTS`
-("reference"; "nccl_ep": check mode `local`; "nccl_ep+check": TE_EP_CHECK_ROUTING=1, mode
-`synchronous`; "nccl_ep+device": TE_EP_DEVICE_CHECKS=1, mode `device`) to what the code does,
+("reference"; "nccl_ep": checks='local'; "nccl_ep+check": checks='synchronous'; "nccl_ep+device":
+checks='device') to what the code does,
 an `Expect` with its `shortfall` where that differs from the contract. The nccl_ep ones are
-declared from the code (csrc/torch/nccl_ep_backend.cpp, comm_ops.cpp, csrc/common/watchdog.h)
+declared from the code (csrc/torch/nccl_ep_checks.cpp, comm_ops.cpp, csrc/common/watchdog.h)
 and docs/ops.md, "Check modes", not measured here. tests/test_faults.py holds the reference
 backend to its declared behaviour and checks that each declared shortfall is still one.
 Whatever is declared, a rank that hangs or returns an output that is not declared fails the
@@ -496,8 +496,8 @@ NCCL_EP_DEVICE_SHORTFALL = (NOT_MEASURED + "check mode `device`: nothing is rais
                             "on every rank (its outputs are exactly zero); every rank raises the same agreed message, "
                             "naming the faulty rank and the value, a step late (at the handle's next prepare, or "
                             "EpHandle.check()), and the handle then runs exact steps")
-TORCH_ABORT_SHORTFALL = (NOT_MEASURED + "TE_EP_CHECK_ROUTING=1 agrees on errors through the NCCL process group at "
-                         "the start of every op; the survivors wait in that all-gather for the lost rank, and torch's "
+TORCH_ABORT_SHORTFALL = (NOT_MEASURED + "checks='synchronous' agrees on errors through the NCCL process group at "
+                         "the start of every op; the survivors wait in that all-reduce for the lost rank, and torch's "
                          "NCCL watchdog (by torch's defaults) ends their processes (SIGABRT) when the collective "
                          "times out or NCCL reports the lost peer: no Python exception, no te_ep message")
 # torch's NCCL watchdog may wait for its debug dump (TORCH_NCCL_DUMP_ON_TIMEOUT) before it aborts
@@ -510,24 +510,25 @@ def _watchdog_ends(expect: Expect, op: str, shortfall: str = NCCL_EP_WATCHDOG_SH
     return expect.but(watchdog_op=op, shortfall=shortfall, **changes)
 
 
-NCCL_EP_CHECK_WORDING = (NOT_MEASURED + "every rank raises as the contract asks, with the checking mode's own "
-                         "wording (`te_ep.<op> failed on rank r: ...`)")
+NCCL_EP_CHECK_WORDING = (NOT_MEASURED + "every rank raises as the contract asks; the faulty rank's message has the "
+                         "device check's wording (`topk_idx[t, k] = v (an expert id outside [-1, E))`)")
 
 
-def _check_routing(expect: Expect, *faulty_says, others: str) -> Expect:
-    """The TE_EP_CHECK_ROUTING=1 agreement of the nccl_ep backend (agree() in nccl_ep_backend.cpp):
-    every rank raises, the others with `te_ep.<op> failed on rank r: <message>`; the op adapter
-    (run_op in comm_ops.cpp) appends the handle and its group."""
-    return expect.but(faulty_says=faulty_says or expect.faulty_says, others_say=(others,),
-                      shortfall=NCCL_EP_CHECK_WORDING)
+def _check_routing(expect: Expect, *faulty_says) -> Expect:
+    """checks='synchronous' on nccl_ep: the reference backend's agreement (agree_on_host in
+    csrc/torch/agreement.cpp), so every rank raises in the op as the contract asks; a finding of
+    the device's detection kernel is worded by the one message builder (`faulty_says`)."""
+    if not faulty_says:
+        return expect
+    return expect.but(faulty_says=faulty_says, shortfall=NCCL_EP_CHECK_WORDING)
 
 
-# The messages of a bad routing value recorded in the step (csrc/torch/nccl_ep_backend.cpp):
-# the routing guard's (raise_recorded_error, on the faulty rank) and the device checks'
-# (agreed_error_message, the same on every rank).
-GUARD_SAYS = "te_ep.prepare: the routing of an earlier step on rank {faulty} had "
+# The messages of a bad routing value recorded in the step (NcclEpChecks::message in
+# csrc/torch/nccl_ep_checks.cpp): check mode local's (on the faulty rank) and device's (the
+# same on every rank).
+GUARD_SAYS = "te_ep.prepare: an earlier step of this handle on rank {faulty} had "
 DEVICE_SAYS = ("te_ep.prepare: an earlier step of this handle failed on the device checks of every rank "
-               "(TE_EP_DEVICE_CHECKS=1)")
+               "(checks='device')")
 
 
 def _local(contract: Expect, follow_up: str, *faulty_says, **changes) -> Expect:
@@ -559,22 +560,22 @@ _ROUTING_FAULTS = [
     # name, fault, body, faulty rank, the contract's words, check mode local's, check mode device's
     ("expert_id_out_of_range", "topk_idx holds an expert id >= num_experts on one rank",
      body_expert_id_out_of_range, lambda W: W - 1, ("topk_idx[3, 0] = {E}", "out of range", "[0, {E})"),
-     (GUARD_SAYS + "an expert id outside [-1, {E})", "first at topk_idx[3, 0] = {E}."),
+     (GUARD_SAYS + "topk_idx[3, 0] = {E} (an expert id outside [-1, {E}))",),
      ("rank {faulty}: topk_idx[3, 0] = {E} (an expert id outside [-1, {E}))",)),
     ("expert_id_negative", "topk_idx holds a negative id other than -1 on one rank",
      body_expert_id_negative, lambda W: 0, ("topk_idx[1, 1] = -3", "out of range"),
-     (GUARD_SAYS + "an expert id outside [-1, {E})", "first at topk_idx[1, 1] = -3."),
+     (GUARD_SAYS + "topk_idx[1, 1] = -3 (an expert id outside [-1, {E}))",),
      ("rank {faulty}: topk_idx[1, 1] = -3 (an expert id outside [-1, {E}))",)),
     ("repeated_expert", "a token names the same expert twice on one rank",
      body_repeated_expert, lambda W: W - 1, ("topk_idx row 2", "twice"),
-     (GUARD_SAYS + "an expert named twice in a token's row", "first at topk_idx[2, 1] = {rep}."),
-     ("rank {faulty}: topk_idx[2, 1] = {rep} (the same expert twice in a row)",)),
+     (GUARD_SAYS + "topk_idx[2, 1] = {rep} (an expert named twice in a token's row)",),
+     ("rank {faulty}: topk_idx[2, 1] = {rep} (an expert named twice in a token's row)",)),
 ]
 
 
 def _routing_case(name, fault, body, faulty, says, guard_says, device_says, world_sizes=(2,)) -> Case:
     contract = _arg_error("prepare", *says).but(recovers=True)
-    check_says = ("te_ep.prepare", "topk_idx[", "names the same expert twice" if name == "repeated_expert"
+    check_says = ("te_ep.prepare", "topk_idx[", "an expert named twice" if name == "repeated_expert"
                   else "outside [-1, {E})")
     return Case(
         name, fault + "; then the handle's next prepare", body, faulty, contract,
@@ -582,8 +583,7 @@ def _routing_case(name, fault, body, faulty, says, guard_says, device_says, worl
             "reference": contract,
             # the guard drops the bad choice: the step is exact without it on every rank
             "nccl_ep": _local(contract, NEXT_PREPARE, *guard_says, output="guarded"),
-            "nccl_ep+check": _check_routing(contract.but(others_say=()), *check_says,
-                                            others="te_ep.prepare failed on rank {faulty}"),
+            "nccl_ep+check": _check_routing(contract, *check_says),
             "nccl_ep+device": _device(contract, NEXT_PREPARE, *device_says),
         },
         world_sizes=world_sizes,
@@ -607,8 +607,8 @@ def _arg_case(name, fault, body, faulty, op, says, own) -> Case:
             # dispatch, whose kernels wait for it without a limit, until te_ep's watchdog ends
             # them one process-group timeout after the launch
             "nccl_ep": _watchdog_ends(contract, op, raising="faulty", watchdog="others", recovers=False),
-            "nccl_ep+check": _check_routing(contract, others=f"te_ep.{op} failed on rank {{faulty}}"),
-            # agreed on the device by the op itself (agree_on_op in nccl_ep_backend.cpp): the
+            "nccl_ep+check": contract,
+            # agreed on the device by the op itself (NcclEpChecks::agree_on_arguments): the
             # faulty rank's op runs on zero substitutes, every rank's outputs of the step are
             # zeros, and check() raises on every rank; the faulty rank's message holds its own error
             "nccl_ep+device": _device_arg(contract, CHECK, op, own),
@@ -636,7 +636,7 @@ _CONFIG_CONTRACT = Expect(raising="all", exc=("ValueError",),
                           recovers=True)
 _OVERFLOW_CONTRACT = _arg_error("prepare", "capacity overflow", "capacity is {cap}").but(recovers=True)
 _BAD_STEP_CONTRACT = _arg_error("prepare", "topk_idx[3, 0] = {E}", "out of range").but(recovers=True)
-# A lost rank under TE_EP_CHECK_ROUTING=1 (the exit and sleep cases).
+# A lost rank under checks='synchronous' (the exit and sleep cases).
 _EXIT_ABORTED = _EXIT_CONTRACT.but(raising="none", aborted="others", shortfall=TORCH_ABORT_SHORTFALL,
                                    watchdog_max_s=lambda pg: within_timeout(pg) + TORCH_ABORT_SLACK_S)
 # The waiting ranks time out one PG timeout after the fault; the late rank, arriving after
@@ -660,12 +660,10 @@ CASES = [
             # rank 0 are dropped, so rank 0's receive buffer is wrong. Which rows NCCL EP drops,
             # and so which other ranks' tokens lose rows in their combine outputs, is NCCL EP's
             # choice, not predicted here: the other ranks' outputs may be wrong or right.
-            "nccl_ep": _local(_OVERFLOW_CONTRACT, NEXT_PREPARE, "te_ep.prepare: capacity overflow on rank 0",
-                              "capacity is {cap}", "detected after an earlier step", wrong="faulty",
+            "nccl_ep": _local(_OVERFLOW_CONTRACT, NEXT_PREPARE, "te_ep.prepare: an earlier step of this handle on "
+                              "rank 0 had capacity overflow", "capacity is {cap}", wrong="faulty",
                               maybe_wrong="others"),
-            "nccl_ep+check": _check_routing(_arg_error("prepare").but(recovers=True),
-                                            "te_ep.prepare: capacity overflow on rank 0",
-                                            others="te_ep.prepare failed on rank 0"),
+            "nccl_ep+check": _OVERFLOW_CONTRACT,
             "nccl_ep+device": _device(_OVERFLOW_CONTRACT, NEXT_PREPARE, "rank 0: capacity overflow: the routing needs",
                                       "the handle's capacity is {cap}"),
         },
@@ -680,8 +678,8 @@ CASES = [
             # the faulty rank raises at once; the others go on into NCCL EP's routing exchange
             "nccl_ep": _watchdog_ends(_PREPARE_ARG_CONTRACT, "prepare", raising="faulty", watchdog="others",
                                       recovers=False),
-            "nccl_ep+check": _check_routing(_PREPARE_ARG_CONTRACT, others="te_ep.prepare failed on rank {faulty}"),
-            # agreed with the routing (prepare_failed in nccl_ep_backend.cpp): zeros, then every rank
+            "nccl_ep+check": _PREPARE_ARG_CONTRACT,
+            # agreed with the routing (NcclEpChecks::check_routing): zeros, then every rank
             # raises at the next prepare; the faulty rank's message holds its own error
             "nccl_ep+device": _device_arg(_PREPARE_ARG_CONTRACT, NEXT_PREPARE, "prepare",
                                           "topk_idx must be torch.int64 or torch.int32, got torch.float32"),
@@ -750,10 +748,10 @@ CASES = [
             "reference": _BAD_STEP_CONTRACT,
             # EpHandle.check() raises on the faulty rank only and clears its record, without a
             # collective: the handle then runs exact steps on every rank
-            "nccl_ep": _local(_BAD_STEP_CONTRACT, CHECK, GUARD_SAYS + "an expert id outside [-1, {E})",
-                              "first at topk_idx[3, 0] = {E}.", output="guarded"),
-            "nccl_ep+check": _check_routing(_BAD_STEP_CONTRACT.but(faulty_says=()), "te_ep.prepare", "topk_idx[3]",
-                                            "outside [-1, {E})", others="te_ep.prepare failed on rank {faulty}"),
+            "nccl_ep": _local(_BAD_STEP_CONTRACT, CHECK,
+                              GUARD_SAYS + "topk_idx[3, 0] = {E} (an expert id outside [-1, {E}))", output="guarded"),
+            "nccl_ep+check": _check_routing(_BAD_STEP_CONTRACT, "te_ep.prepare", "topk_idx[3, 0] = {E}",
+                                            "outside [-1, {E})"),
             "nccl_ep+device": _device(_BAD_STEP_CONTRACT, CHECK,
                                       "rank {faulty}: topk_idx[3, 0] = {E} (an expert id outside [-1, {E}))"),
         },

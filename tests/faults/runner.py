@@ -74,19 +74,19 @@ class RunConfig:
     device: str = "cpu"  # "cpu" (gloo process group) or "cuda" (NCCL process group, one GPU per rank)
     world_size: int = 2
     pg_timeout_s: float = DEFAULT_PG_TIMEOUT_S
-    check_routing: bool = False  # TE_EP_CHECK_ROUTING=1 in the ranks (nccl_ep's agreeing mode)
-    device_checks: bool = False  # TE_EP_DEVICE_CHECKS=1 in the ranks (nccl_ep's device-agreed mode)
+    checks: str = "local"  # EpGroup's checks in the ranks
+    nccl_ep_mode: str = "staged"  # EpGroup's nccl_ep_mode in the ranks
     start_method: str = "forkserver"
     startup_limit_s: float = DEFAULT_STARTUP_LIMIT_S
 
     @property
     def variant(self) -> str:
         """Which declared behaviour applies (cases.VARIANTS): "reference" (on CPU), "nccl_ep"
-        (check mode `local`), "nccl_ep+check" (--check-routing: TE_EP_CHECK_ROUTING=1, mode
-        `synchronous`), "nccl_ep+device" (--device-checks: TE_EP_DEVICE_CHECKS=1, mode `device`);
+        (checks='local'), "nccl_ep+check" (checks='synchronous'), "nccl_ep+device"
+        (checks='device');
         "reference+cuda" has none (judged only for undeclared hangs and wrong outputs)."""
         if self.backend == "nccl_ep":
-            return "nccl_ep+check" if self.check_routing else "nccl_ep+device" if self.device_checks else "nccl_ep"
+            return {"synchronous": "nccl_ep+check", "device": "nccl_ep+device"}.get(self.checks, "nccl_ep")
         return self.backend if self.device == "cpu" else f"{self.backend}+{self.device}"
 
 
@@ -175,12 +175,14 @@ class CaseResult:
 # ---------------------------------------------------------------------------
 class FaultCtx:
     """What a case body gets on its rank. Duck-types tests/_dist.Ctx (rank, world_size,
-    device, backend) so the ep_cases helpers (make_group, run_exact_step) take it."""
+    device, backend, group_options) so the ep_cases helpers (make_group, run_exact_step) take it."""
 
     def __init__(self, rank: int, config: RunConfig, faulty: int, record_path: str):
         self.rank = rank
         self.world_size = config.world_size
         self.backend = config.backend
+        self.nccl_ep_mode = config.nccl_ep_mode
+        self.checks = config.checks
         self.config = config
         self.pg_timeout_s = config.pg_timeout_s
         self.faulty = faulty
@@ -194,6 +196,9 @@ class FaultCtx:
         self.record = RankRecord(rank=rank, status="running")
         self._path = record_path
         self._faulted_done = False
+
+    def group_options(self) -> dict:
+        return {"nccl_ep_mode": self.nccl_ep_mode, "checks": self.checks}
 
     # -- the body calls these ---------------------------------------------------
     def fault_point(self) -> None:
@@ -315,11 +320,6 @@ def _child_main(case_name: str, rank: int, config: RunConfig, case_dir: str, sel
     killer.daemon = True
     killer.start()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    for flag, name in ((config.check_routing, "TE_EP_CHECK_ROUTING"), (config.device_checks, "TE_EP_DEVICE_CHECKS")):
-        if flag:
-            os.environ[name] = "1"
-        else:
-            os.environ.pop(name, None)
     if config.device == "cuda":
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         # Nothing else bounds a wait inside NCCL EP: its high-throughput kernels spin without a

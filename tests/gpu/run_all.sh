@@ -4,15 +4,24 @@
 # Runs, for every world size W in ${TE_EP_WORLD_SIZES:-2 4} that the machine has GPUs for:
 # the shared cases on the reference and nccl_ep backends (nccl_ep also against
 # the reference), the nccl_ep smoke test, and the 1000-step soak at the largest
-# W; the fault-injection cases (tests/faults) at W=2 (W=1 on one GPU) on nccl_ep in its three check modes
-# (default, TE_EP_CHECK_ROUTING=1, TE_EP_DEVICE_CHECKS=1). Every nccl_ep part runs once per
-# nccl_ep mode in ${TE_EP_NCCL_EP_MODES:-staged zero_copy}. Then the
+# W; the fault-injection cases (tests/faults) at W=2 (W=1 on one GPU) on nccl_ep. Every nccl_ep
+# part runs once per nccl_ep mode in ${TE_EP_NCCL_EP_MODES:-staged zero_copy}, the suite and the
+# faults once per check mode in ${TE_EP_CHECKS:-local device synchronous} as well. Then the
 # permutation CUDA tests, the FP8 tests (quantize kernels, the FP8-dispatch MoE layer) and the
 # overlap tests (communication stream vs sequential layer, bitwise, with a delayed stream), and the
 # watchdog tests (one GPU: an nccl_ep op stalled behind a spinning kernel ends the process).
 # Prints a summary line per part and exits
 # non-zero if any part failed. TE_EP_PARTS (default "suite smoke soak perm faults fp8 overlap watchdog")
 # selects parts, e.g. to split the run across shorter commands.
+#   bash tests/gpu/run_all.sh --quick    # every path once: each nccl_ep mode x check mode on a few
+#                                        # cases (bf16 and FP8, eager, compiled and CUDA graph, their
+#                                        # errors), the smoke test, a few fault cases; no soak
+if [ "${1:-}" = "--quick" ]; then
+  export TE_EP_SUITE_CASES=${TE_EP_SUITE_CASES:-"routing_exact moe_dense_bf16 fp8_dispatch_exact cuda_graph compile_aot_eager device_checks_op_arguments routing_guard bad_input_tokens_dtype capacity_overflow"}
+  export TE_EP_FAULT_CASES=${TE_EP_FAULT_CASES:-"expert_id_out_of_range tokens_dtype_one_rank"}
+  export TE_EP_WORLD_SIZES=${TE_EP_WORLD_SIZES:-2}
+  export TE_EP_PARTS=${TE_EP_PARTS:-suite smoke faults fp8 overlap}
+fi
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -41,6 +50,7 @@ run() {  # name, log file, command...
   summary+=("$(printf '%-44s rc=%-3s %s' "$name" "$rc" "$last")")
   [ $rc -eq 0 ] || status=1
 }
+CHECKS=${TE_EP_CHECKS:-local device synchronous}
 largest=0
 for w in ${TE_EP_WORLD_SIZES:-2 4}; do
   [ "$w" -le "$ngpu" ] || continue
@@ -48,28 +58,25 @@ for w in ${TE_EP_WORLD_SIZES:-2 4}; do
   want suite && run "suite W=$w backend=reference" "$LOG/suite.log" \
     timeout 900 "$PY" -m torch.distributed.run --standalone --nproc-per-node="$w" tests/gpu/run_suite.py --backend reference
   for mode in $MODES; do
-    want suite && run "suite W=$w backend=nccl_ep mode=$mode" "$LOG/suite.log" \
-      env TE_EP_NCCL_EP_MODE="$mode" timeout 900 "$PY" -m torch.distributed.run --standalone --nproc-per-node="$w" \
-      tests/gpu/run_suite.py --backend nccl_ep
-    # The error-agreement cases, on nccl_ep's checking mode.
-    want suite && run "suite W=$w nccl_ep mode=$mode TE_EP_CHECK_ROUTING=1" "$LOG/suite.log" \
-      env TE_EP_NCCL_EP_MODE="$mode" TE_EP_CHECK_ROUTING=1 timeout 900 "$PY" -m torch.distributed.run --standalone \
-      --nproc-per-node="$w" tests/gpu/run_suite.py --backend nccl_ep --agreement only
-    # Every case with every handle in the device check mode (each op's agreement all-reduce
-    # on good steps; routing_guard, the default mode's case, is skipped).
-    want suite && run "suite W=$w nccl_ep mode=$mode TE_EP_DEVICE_CHECKS=1" "$LOG/suite.log" \
-      env TE_EP_NCCL_EP_MODE="$mode" TE_EP_DEVICE_CHECKS=1 timeout 900 "$PY" -m torch.distributed.run --standalone \
-      --nproc-per-node="$w" tests/gpu/run_suite.py --backend nccl_ep
+    for checks in $CHECKS; do
+      # checks=synchronous: the cases that need every rank to raise in the op (the other
+      # modes run every case but those, on good steps and their own error cases).
+      agreement=include; [ "$checks" = synchronous ] && agreement=only
+      want suite && run "suite W=$w nccl_ep mode=$mode checks=$checks" "$LOG/suite.log" \
+        timeout 900 "$PY" -m torch.distributed.run --standalone --nproc-per-node="$w" tests/gpu/run_suite.py \
+        --backend nccl_ep --nccl-ep-mode "$mode" --checks "$checks" --agreement $agreement \
+        ${TE_EP_SUITE_CASES:+-k $TE_EP_SUITE_CASES}
+    done
     want smoke && run "nccl_ep smoke W=$w mode=$mode" "$LOG/smoke.log" \
-      env TE_EP_NCCL_EP_MODE="$mode" timeout 600 "$PY" -m torch.distributed.run --standalone --nproc-per-node="$w" \
-      tests/gpu/smoke_nccl_ep.py
+      timeout 600 "$PY" -m torch.distributed.run --standalone --nproc-per-node="$w" \
+      tests/gpu/smoke_nccl_ep.py --nccl-ep-mode "$mode"
   done
 done
 if [ "$largest" -gt 0 ] && want soak; then
   for mode in $MODES; do
     run "soak 1000 steps W=$largest nccl_ep mode=$mode" "$LOG/soak.log" \
-      env TE_EP_NCCL_EP_MODE="$mode" timeout 900 "$PY" -m torch.distributed.run --standalone \
-      --nproc-per-node="$largest" tests/gpu/soak.py --steps 1000
+      timeout 900 "$PY" -m torch.distributed.run --standalone \
+      --nproc-per-node="$largest" tests/gpu/soak.py --steps 1000 --nccl-ep-mode "$mode"
   done
 fi
 # Each fault case in fresh processes with a hard wall-clock limit; fails on a behaviour
@@ -78,14 +85,11 @@ fi
 fw=$(( ngpu >= 2 ? 2 : 1 ))
 if want faults; then
   for mode in $MODES; do
-    run "faults W=$fw nccl_ep mode=$mode" "$LOG/faults.log" \
-      env TE_EP_NCCL_EP_MODE="$mode" timeout 1200 "$PY" -m tests.faults --backend nccl_ep --world-size $fw -v
-    run "faults W=$fw nccl_ep mode=$mode TE_EP_CHECK_ROUTING=1" "$LOG/faults.log" \
-      env TE_EP_NCCL_EP_MODE="$mode" timeout 1200 "$PY" -m tests.faults --backend nccl_ep --world-size $fw \
-      --check-routing -v
-    run "faults W=$fw nccl_ep mode=$mode TE_EP_DEVICE_CHECKS=1" "$LOG/faults.log" \
-      env TE_EP_NCCL_EP_MODE="$mode" timeout 1200 "$PY" -m tests.faults --backend nccl_ep --world-size $fw \
-      --device-checks -v
+    for checks in $CHECKS; do
+      run "faults W=$fw nccl_ep mode=$mode checks=$checks" "$LOG/faults.log" \
+        timeout 1200 "$PY" -m tests.faults --backend nccl_ep --world-size $fw --nccl-ep-mode "$mode" \
+        --checks "$checks" -v ${TE_EP_FAULT_CASES:+-k $TE_EP_FAULT_CASES}
+    done
   done
 fi
 want perm && run "permutation CUDA tests" "$LOG/permutation.log" timeout 900 "$PY" -m pytest -q tests/test_permutation.py -k cuda

@@ -45,28 +45,38 @@ from _dist import Ctx  # noqa: E402
 GPU_TIMEOUT_FACTOR = float(os.environ.get("TE_EP_SUITE_TIMEOUT_FACTOR", "2.0"))
 
 
-def _select(backend: str, world_size: int, patterns: list | None, agreement: str, skipped: list):
+# The cases whose checks hold at one rank, where the faulty rank is the only rank (one GPU):
+# they prove that rank's side, not agreement across ranks. The others need a second rank by
+# construction (a value that differs on the last rank, 8 experts for a top-8 step, a tight
+# capacity below NCCL EP's floor, ...).
+ONE_RANK_CASES = {
+    "alignment_exact", "two_layers_raw_ops", "no_grad_path", "opcheck", "opcheck_empty_rank", "cuda_graph",
+    "fp8_dispatch_exact", "fp8_dispatch_grads", "lifetime_microbatches", "lifetime_checkpoint",
+    "handle_mode_and_memory", "compile_aot_eager", "compile_many_layers", "device_checks",
+    "device_checks_arguments", "device_checks_op_arguments", "routing_guard", "check_modes",
+}
+
+
+def _select(backend: str, checks: str, world_size: int, patterns: list | None, agreement: str, skipped: list):
     out = []
     for case in ep_cases.CASES:
         if patterns and not any(p in case.name for p in patterns):
             continue
-        if world_size < case.min_world:
+        if world_size == 1:
+            if case.name not in ONE_RANK_CASES:
+                continue
+        elif world_size < case.min_world:
             continue
         if case.only_non_reference and backend == "reference":
             continue
         if case.reference_only and backend != "reference":
             skipped.append((case.name, case.reference_only))
             continue
-        agreeing = backend == "reference" or os.environ.get("TE_EP_CHECK_ROUTING") == "1"
+        agreeing = backend == "reference" or checks == "synchronous"
         if agreement == "only" and not case.needs_agreement:
             continue
         if case.needs_agreement and not agreeing:
-            skipped.append((case.name, f"{backend} agrees on errors across ranks only with TE_EP_CHECK_ROUTING=1"))
-            continue
-        if case.name == "routing_guard" and "1" in (os.environ.get("TE_EP_DEVICE_CHECKS"),
-                                                    os.environ.get("TE_EP_CHECK_ROUTING")):
-            skipped.append((case.name, "the default check mode's case: runs without TE_EP_DEVICE_CHECKS=1 and "
-                                       "TE_EP_CHECK_ROUTING=1"))
+            skipped.append((case.name, f"{backend} raises in the op on every rank only with --checks synchronous"))
             continue
         # The CPU suite restricts some cases to certain sizes only to save CPU time;
         # on GPUs every case runs at the launched size, except the 8-rank smoke cases,
@@ -118,6 +128,10 @@ def main() -> int:
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU instead (to check this runner without GPUs)")
     ap.add_argument("--agreement", choices=("include", "only"), default="include",
                     help="'only': run just the cases that need every rank to raise on one rank's bad input")
+    ap.add_argument("--checks", default="local", choices=("local", "device", "synchronous"),
+                    help="EpGroup(checks=...) of the cases' groups")
+    ap.add_argument("--nccl-ep-mode", default="staged", choices=("staged", "zero_copy", "auto"),
+                    help="EpGroup(nccl_ep_mode=...) of the cases' groups")
     args = ap.parse_args()
 
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -133,10 +147,11 @@ def main() -> int:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     # Status exchange on a gloo group: it must work even if NCCL is out of step after a failure.
     status_group = dist.new_group(backend="gloo")
-    ctx = Ctx(rank=rank, world_size=world_size, device=str(dev), backend=args.backend)
+    ctx = Ctx(rank=rank, world_size=world_size, device=str(dev), backend=args.backend,
+              nccl_ep_mode=args.nccl_ep_mode, checks=args.checks)
 
     skipped: list = []
-    cases = _select(args.backend, world_size, args.patterns, args.agreement, skipped)
+    cases = _select(args.backend, args.checks, world_size, args.patterns, args.agreement, skipped)
     if rank == 0:
         for name, why in skipped:
             print(f"SKIP {name}: {why}", flush=True)

@@ -31,8 +31,8 @@ WORLD = 1
 DEVICE = None
 GROUP = ""
 RESULTS = []
-# The nccl_ep mode every handle of the smoke test uses (docs/nccl_ep.md, "Modes").
-MODE = os.environ.get("TE_EP_NCCL_EP_MODE", "staged")
+# The nccl_ep mode every handle of the smoke test uses (docs/nccl_ep.md, "Modes"; --nccl-ep-mode).
+MODE = "staged"
 
 
 def log(msg: str) -> None:
@@ -64,7 +64,7 @@ class Case:
     """One handle plus the torch reference of one step's routing."""
 
     def __init__(self, *, num_experts, max_tokens, top_k, hidden, dtype, alignment, tokens_per_rank, drop_every=0,
-                 capacity=None, seed=0, idx=None):
+                 capacity=None, seed=0, idx=None, checks="local"):
         self.E = num_experts
         self.El = num_experts // WORLD
         self.maxT = max_tokens
@@ -76,7 +76,7 @@ class Case:
         self.T = tokens_per_rank[RANK]
         self.all_T = list(tokens_per_rank)
         self.id, self.mem = OPS.create_handle(GROUP, "nccl_ep", self.E, self.maxT, self.K, self.H, self.capacity,
-                                              self.align, self.dtype, DEVICE, MODE)
+                                              self.align, self.dtype, DEVICE, MODE, checks=checks)
         gen = torch.Generator().manual_seed(seed * 1000 + RANK)
         scores = torch.rand(self.T, self.E, generator=gen)
         idx = scores.topk(self.K, dim=1).indices if idx is None else idx
@@ -227,17 +227,13 @@ def check_forward_backward(case: Case) -> None:
 
 def check_capacity_overflow() -> None:
     # Every token of every rank goes to experts 0 and 1 (rank 0's): rank 0
-    # needs 2 * WORLD * T rows, at least twice its capacity. TE_EP_CHECK_ROUTING=1
+    # needs 2 * WORLD * T rows, at least twice its capacity. checks='synchronous'
     # raises on all.
-    os.environ["TE_EP_CHECK_ROUTING"] = "1"
     # The routing the case checks at the end fits: each rank keeps its tokens,
     # one of its own experts per token.
     fits = torch.stack([RANK * 4 + torch.arange(32) % 2, torch.full((32,), -1)], dim=1)
-    try:
-        case = Case(num_experts=4 * WORLD, max_tokens=32, top_k=2, hidden=256, dtype=torch.bfloat16, alignment=1,
-                    tokens_per_rank=[32] * WORLD, capacity=32, seed=3, idx=fits)
-    finally:
-        del os.environ["TE_EP_CHECK_ROUTING"]
+    case = Case(num_experts=4 * WORLD, max_tokens=32, top_k=2, hidden=256, dtype=torch.bfloat16, alignment=1,
+                tokens_per_rank=[32] * WORLD, capacity=32, seed=3, idx=fits, checks="synchronous")
     try:
         try:
             case.prepare(torch.arange(2).repeat(32, 1))
@@ -286,10 +282,12 @@ def check_graph_capture(case: Case) -> None:
 
 
 def main() -> int:
-    global OPS, RANK, WORLD, DEVICE, GROUP
+    global OPS, RANK, WORLD, DEVICE, GROUP, MODE
     parser = argparse.ArgumentParser()
     parser.add_argument("--no-graph", action="store_true", help="skip the CUDA graph capture check")
+    parser.add_argument("--nccl-ep-mode", default="staged", choices=("staged", "zero_copy", "auto"))
     args = parser.parse_args()
+    MODE = args.nccl_ep_mode
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
@@ -330,7 +328,7 @@ def main() -> int:
     for name, case in list(cases.items()):
         run_check(f"fwd+bwd {name}", lambda case=case: check_forward_backward(case))
 
-    run_check("capacity overflow and bad routing raise on every rank (TE_EP_CHECK_ROUTING=1)",
+    run_check("capacity overflow and bad routing raise on every rank (checks='synchronous')",
               check_capacity_overflow)
 
     if not args.no_graph and "bf16/k2/align1" in cases:

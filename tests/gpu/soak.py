@@ -50,9 +50,10 @@ class Layer(torch.nn.Module):
         return te.ep_combine(self.handle, y, x.shape[0])
 
 
-def run(backend: str, steps: int, tokens: int, step_timeout: float) -> tuple[bool, list[str]]:
+def run(backend: str, steps: int, tokens: int, step_timeout: float, nccl_ep_mode: str) -> tuple[bool, list[str]]:
     rank = dist.get_rank()
-    group = te.EpGroup(num_experts=8 * dist.get_world_size(), max_tokens_per_rank=tokens, backend=backend)
+    group = te.EpGroup(num_experts=8 * dist.get_world_size(), max_tokens_per_rank=tokens, backend=backend,
+                       nccl_ep_mode=nccl_ep_mode)
     a = Layer(group, hidden=256, top_k=4, alignment=16)
     b = Layer(group, hidden=512, top_k=2, alignment=8)
     proj_in = torch.nn.Linear(256, 512, device="cuda", dtype=torch.bfloat16)
@@ -100,6 +101,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--backend", default="nccl_ep", choices=te.BACKENDS)
     parser.add_argument("--step-timeout", type=float, default=60.0)
+    parser.add_argument("--nccl-ep-mode", default="staged", choices=te.group.NCCL_EP_MODES)
     args = parser.parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
@@ -107,7 +109,7 @@ def main() -> None:
     torch.manual_seed(dist.get_rank())
 
     results = []
-    ok, failures = run(args.backend, args.steps, args.tokens, args.step_timeout)
+    ok, failures = run(args.backend, args.steps, args.tokens, args.step_timeout, args.nccl_ep_mode)
     results.append(("soak", ok, failures))
     # Shutdown and re-initialisation in one process, then a shorter run.
     ok, failures = run(args.backend, max(50, args.steps // 10), args.tokens, args.step_timeout)

@@ -97,10 +97,14 @@ def test_auto_backend_needs_num_experts_a_multiple_of_4(monkeypatch):
     monkeypatch.setattr(_nccl_ep, "availability", lambda: "")
     monkeypatch.setattr(_nccl_ep, "load", lambda: "NCCL EP (stubbed)")
     cuda = torch.device("cuda", 0)
-    assert group._auto_backend(cuda, 8) == "nccl_ep"
+    hosts = ["a", "a"]
+    assert group._auto_backend(cuda, 8, hosts) == "nccl_ep"
     with pytest.warns(UserWarning, match="multiple of 4, got 6"):
-        assert group._auto_backend(cuda, 6) == "reference"
-    assert group._auto_backend(torch.device("cpu"), 8) == "reference"
+        assert group._auto_backend(cuda, 6, hosts) == "reference"
+    assert group._auto_backend(torch.device("cpu"), 8, hosts) == "reference"
+    # ranks NCCL EP can't form teams of (it would assert): reference, saying why
+    with pytest.warns(UserWarning, match="same number of ranks on every host"):
+        assert group._auto_backend(cuda, 12, ["a", "a", "b"]) == "reference"
 
 
 def test_release_of_an_unknown_group_is_a_noop():

@@ -1,0 +1,95 @@
+// The check policy of an nccl_ep handle (docs/ops.md, "Check modes"): how bad
+// routing, capacity overflow, bad op arguments and ranks on different handles
+// are caught. One detection kernel, one record format (nccl_ep_wrap.h) and one
+// message builder serve the three modes, which differ only in when and where
+// they raise:
+//   local        each rank drops its own bad choices on the device and records
+//                them and its overflow; that rank raises at its next prepare or
+//                EpHandle.check(). No collective of its own, no host sync.
+//   device       the ranks agree on every finding on the device (one small
+//                all-reduce per op); a failed step moves nothing and returns
+//                zeros on every rank, and every rank raises at check() or a
+//                later prepare. No host sync.
+//   synchronous  every op waits for its finding and agrees on the host; every
+//                rank raises in the op itself. Debugging; not capturable.
+#pragma once
+
+#include "torch/backend.h"
+
+#if TE_EP_WITH_CUDA && TE_EP_WITH_NCCL_EP
+
+#include <cuda_runtime_api.h>
+
+#include <initializer_list>
+#include <memory>
+#include <string>
+
+#include "common/nccl_ep_wrap.h"
+
+namespace te_ep {
+
+class NcclEpChecks {
+ public:
+  NcclEpChecks(const HandleConfig& cfg, std::shared_ptr<nccl_ep::Communicator> comm);
+  ~NcclEpChecks();
+  NcclEpChecks(const NcclEpChecks&) = delete;
+  NcclEpChecks& operator=(const NcclEpChecks&) = delete;
+
+  Checks mode() const { return mode_; }
+
+  // Before any op: agrees on this rank's argument error of `op` ("" if none)
+  // and on the op and handle every rank runs. Throws where the mode raises in
+  // the op; returns true when this rank must run the op on substitutes so
+  // that the other ranks' collectives complete (the device mode).
+  bool agree_on_arguments(const char* op, const std::string& error);
+
+  // prepare, before NCCL EP sees the routing `idx`: raises what an earlier
+  // step recorded and is due now, runs the detection kernel (writing
+  // `unrouted`) and agrees on its finding. Returns the ids NCCL EP gets.
+  at::Tensor check_routing(const at::Tensor& idx, uint8_t* unrouted, cudaStream_t stream);
+  // prepare, after launch_finish_prepare recorded any overflow in scan().
+  void check_overflow(cudaStream_t stream);
+
+  nccl_ep::CheckScan* scan() { return reinterpret_cast<nccl_ep::CheckScan*>(scan_.data_ptr()); }
+  // The device mode: zeroes the outputs of a failed step.
+  void zero_if_poisoned(std::initializer_list<at::Tensor> outputs, cudaStream_t stream);
+  // EpHandle.check(): raises what the record holds now (waits for the GPU).
+  void raise_pending(cudaStream_t stream);
+  // From interpreter exit on: keep the device memory (freeing it would call
+  // into CUDA while it unloads).
+  void leak_at_exit();
+
+ private:
+  // The verdict on this rank's row (the device mode: every rank's) of the
+  // current agreement.
+  void agree_on_device(int32_t op, bool argument_error, const at::Tensor* idx, cudaStream_t stream);
+  // The synchronous mode: this rank's finding, on the host, agreed by every rank.
+  void agree_on_scan_now(cudaStream_t stream);
+  // Raises the kept record if the host copy made after an earlier prepare
+  // holds one. `wait`: for that copy (the device mode, where every rank must
+  // raise in the same step); else only once it has completed.
+  void raise_due(bool wait);
+  void snapshot_to_host(cudaStream_t stream);
+  std::string message(const int32_t* record) const;
+  std::string describe_row(const int32_t* row) const;
+
+  HandleConfig cfg_;
+  Checks mode_;
+  std::shared_ptr<nccl_ep::Communicator> comm_;
+  at::Tensor scan_;         // one CheckScan
+  at::Tensor record_;       // [W * kRecordInts] int32: the current agreement
+  at::Tensor sticky_;       // [sticky_ints(W)] int32: the first failing step's record
+  at::Tensor sticky_host_;  // pinned copy of sticky_, made after each prepare
+  cudaEvent_t copied_ = nullptr;
+  bool copy_pending_ = false;
+  // The device mode: this rank's first argument error not raised yet (its
+  // message stays on this rank), a prepare argument error to publish with the
+  // routing, and whether this rank runs the step's ops on substitutes.
+  std::string own_error_;
+  bool prepare_failed_ = false;
+  bool failed_here_ = false;
+};
+
+}  // namespace te_ep
+
+#endif  // TE_EP_WITH_CUDA && TE_EP_WITH_NCCL_EP
