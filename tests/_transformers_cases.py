@@ -5,7 +5,8 @@ downloaded) twice with the same weights: the reference runs transformers' own ``
 experts (its per-expert loop: the ground truth of the model's maths) in one process on
 every rank's batch; the other is made expert-parallel by
 ``te_ep_torch.integrations.transformers.parallelize_hf_moe`` and runs this rank's batch.
-The bodies take a ``Ctx`` (tests/_dist.py) and run on CPU/gloo in the worker pools.
+The bodies take a ``Ctx`` (tests/_dist.py) and run on CPU/gloo in the worker pools;
+tests/gpu/transformers_gpu.py runs ``case_parity`` on CUDA with ``nccl_ep``.
 
 Gradients: rank ``r`` computes ``L_r``, the model's own loss (mean cross-entropy) on
 its batch; the reference is ``L = (1/W) sum_r L_r`` on the unsharded model (every rank
@@ -146,20 +147,24 @@ def _expert_counts(ref, ids: List[torch.Tensor]) -> Dict[str, List[int]]:
 
 
 def case_parity(ctx, *, family: str, layout: str, ep: Optional[int] = None, dtype: str = "float32",
-                scenario: str = "random"):
+                scenario: str = "random", checkpointing: bool = False):
     """Logits, loss and every gradient of the expert-parallel model vs the unsharded one.
 
     ``layout``: ``"group"`` (the default process group), ``"mesh1d"`` (a 1-D EP mesh) or
     ``"fsdp"`` (a ``(W / ep, ep)`` mesh: EP x FSDP2, bfloat16 parameters under
-    ``dtype="bfloat16"``, float32 reduction). Returns ``{"diffs": {tensor: {max_abs,
+    ``dtype="bfloat16"``, float32 reduction); ``checkpointing``: transformers' activation
+    checkpointing on. Returns ``{"diffs": {tensor: {max_abs,
     ref_max}}, "counts": {layer: [E]}, "handles": [repr], "impls": [str], "ep": ep}``.
     """
     W = ctx.world_size
     ep = ep or W
     torch_dtype = _DTYPES[dtype]
     fsdp = layout == "fsdp"
+    device = torch.device(ctx.device)
     # Under FSDP2 the parameters are kept in float32 and computed in bfloat16 (mp_policy).
     ref, model = build(family, dtype=torch_dtype, scenario=scenario, ep=ep)
+    ref.to(device)
+    model.to(device)
     if fsdp and torch_dtype != torch.float32:
         model.to(torch.float32)
         for name, b in model.named_buffers():
@@ -167,22 +172,27 @@ def case_parity(ctx, *, family: str, layout: str, ep: Optional[int] = None, dtyp
                 b.data = b.data.float()
     names = [n for n, _ in ref.named_parameters()]
 
-    kwargs = dict(max_tokens_per_rank=TOKENS, backend="reference")
+    kwargs = dict(max_tokens_per_rank=TOKENS, backend=ctx.backend)
     if layout == "group":
         parallelize_hf_moe(model, None, **kwargs)
     elif layout == "mesh1d":
         from torch.distributed.device_mesh import init_device_mesh
 
-        parallelize_hf_moe(model, init_device_mesh("cpu", (W,), mesh_dim_names=("ep",)), **kwargs)
+        parallelize_hf_moe(model, init_device_mesh(device.type, (W,), mesh_dim_names=("ep",)), **kwargs)
     elif layout == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         mp = MixedPrecisionPolicy(param_dtype=torch_dtype, reduce_dtype=torch.float32)
-        parallelize_hf_moe(model, init_moe_mesh("cpu", dp=W // ep, ep=ep), mp_policy=mp, **kwargs)
+        parallelize_hf_moe(model, init_moe_mesh(device.type, dp=W // ep, ep=ep), mp_policy=mp, **kwargs)
     else:
         raise ValueError(f"unknown layout {layout!r}")
 
-    ids = [batch(r) for r in range(W)]
+    if checkpointing:
+        # transformers' activation checkpointing: each decoder layer (its MoE block included)
+        # runs its forward again inside the backward, with the same routing.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    ids = [batch(r).to(device) for r in range(W)]
     out = model(ids[ctx.rank], labels=ids[ctx.rank])
     out.loss.backward()
 

@@ -8,7 +8,7 @@ expert-parallel with ``parallelize_hf_moe`` on CPU (gloo, te_ep "reference" back
 compare the logits, the loss and every parameter gradient of the whole model with the
 unsharded model running transformers' own "eager" experts, at 2 and 4 ranks: EP over the
 default process group, over a 1-D mesh, and EP x FSDP2 on a (dp, ep) mesh (float32 and
-bfloat16 parameters). Plus ``torch.compile(fullgraph=True)`` of an MoE block
+bfloat16 parameters), and with transformers' activation checkpointing. Plus ``torch.compile(fullgraph=True)`` of an MoE block
 (``aot_eager``), a DCP save at dp 2 x ep 2 loaded at EP 2, on a (1, 2) mesh and into the
 unsharded model, a batch too long on one rank, and what ``parallelize_hf_moe`` refuses.
 
@@ -51,33 +51,35 @@ def _check_diffs(diffs: dict, dtype: str, where: str) -> None:
 
 PARITY = [
     # EP over the default process group, 2 ranks: the four models of the issue.
-    pytest.param(2, "qwen3_moe", "group", None, "float32", "random", id="qwen3_moe-group-W2"),
-    pytest.param(2, "mixtral", "group", None, "float32", "random", id="mixtral-group-W2"),
-    pytest.param(2, "gpt_oss", "group", None, "float32", "random", id="gpt_oss-group-W2"),
-    pytest.param(2, "deepseek_v3", "group", None, "float32", "uneven", id="deepseek_v3-uneven-group-W2"),
+    pytest.param(2, "qwen3_moe", "group", None, "float32", "random", False, id="qwen3_moe-group-W2"),
+    pytest.param(2, "mixtral", "group", None, "float32", "random", False, id="mixtral-group-W2"),
+    pytest.param(2, "gpt_oss", "group", None, "float32", "random", False, id="gpt_oss-group-W2"),
+    pytest.param(2, "deepseek_v3", "group", None, "float32", "uneven", False, id="deepseek_v3-uneven-group-W2"),
     # Other models with transformers' decorated experts.
-    pytest.param(2, "olmoe", "group", None, "float32", "random", id="olmoe-group-W2"),
-    pytest.param(2, "qwen2_moe", "group", None, "float32", "random", id="qwen2_moe-group-W2"),
+    pytest.param(2, "olmoe", "group", None, "float32", "random", False, id="olmoe-group-W2"),
+    pytest.param(2, "qwen2_moe", "group", None, "float32", "random", False, id="qwen2_moe-group-W2"),
     # A 1-D EP mesh over 4 ranks.
-    pytest.param(4, "qwen3_moe", "mesh1d", None, "float32", "random", id="qwen3_moe-mesh1d-W4"),
-    pytest.param(4, "deepseek_v3", "mesh1d", None, "float32", "uneven", id="deepseek_v3-uneven-mesh1d-W4"),
+    pytest.param(4, "qwen3_moe", "mesh1d", None, "float32", "random", False, id="qwen3_moe-mesh1d-W4"),
+    pytest.param(4, "deepseek_v3", "mesh1d", None, "float32", "uneven", False, id="deepseek_v3-uneven-mesh1d-W4"),
     # EP x FSDP2 on a dp 2 x ep 2 mesh.
-    pytest.param(4, "qwen3_moe", "fsdp", 2, "float32", "random", id="qwen3_moe-fsdp-dp2xep2"),
-    pytest.param(4, "mixtral", "fsdp", 2, "float32", "random", id="mixtral-fsdp-dp2xep2"),
-    pytest.param(4, "gpt_oss", "fsdp", 2, "float32", "random", id="gpt_oss-fsdp-dp2xep2"),
-    pytest.param(4, "deepseek_v3", "fsdp", 2, "float32", "uneven", id="deepseek_v3-uneven-fsdp-dp2xep2"),
+    pytest.param(4, "qwen3_moe", "fsdp", 2, "float32", "random", False, id="qwen3_moe-fsdp-dp2xep2"),
+    pytest.param(4, "mixtral", "fsdp", 2, "float32", "random", False, id="mixtral-fsdp-dp2xep2"),
+    pytest.param(4, "gpt_oss", "fsdp", 2, "float32", "random", False, id="gpt_oss-fsdp-dp2xep2"),
+    pytest.param(4, "deepseek_v3", "fsdp", 2, "float32", "uneven", False, id="deepseek_v3-uneven-fsdp-dp2xep2"),
     # bfloat16 compute (FSDP2 mixed precision, float32 reduction).
-    pytest.param(2, "mixtral", "fsdp", 2, "bfloat16", "random", id="mixtral-fsdp-dp1xep2-bf16"),
-    pytest.param(4, "gpt_oss", "fsdp", 2, "bfloat16", "random", id="gpt_oss-fsdp-dp2xep2-bf16"),
+    pytest.param(2, "mixtral", "fsdp", 2, "bfloat16", "random", False, id="mixtral-fsdp-dp1xep2-bf16"),
+    pytest.param(4, "gpt_oss", "fsdp", 2, "bfloat16", "random", False, id="gpt_oss-fsdp-dp2xep2-bf16"),
+    # transformers' activation checkpointing (each layer's forward again inside the backward).
+    pytest.param(4, "qwen3_moe", "fsdp", 2, "float32", "random", True, id="qwen3_moe-fsdp-dp2xep2-checkpointing"),
 ]
 
 
-@pytest.mark.parametrize("world_size,family,layout,ep,dtype,scenario", PARITY)
-def test_whole_model_matches_unsharded(pools, world_size, family, layout, ep, dtype, scenario):
+@pytest.mark.parametrize("world_size,family,layout,ep,dtype,scenario,checkpointing", PARITY)
+def test_whole_model_matches_unsharded(pools, world_size, family, layout, ep, dtype, scenario, checkpointing):
     from _transformers_cases import case_parity
 
     results = pools.run(world_size, case_parity, family=family, layout=layout, ep=ep, dtype=dtype,
-                        scenario=scenario, timeout=180)
+                        scenario=scenario, checkpointing=checkpointing, timeout=180)
     for rank, res in enumerate(results):
         _check_diffs(res["diffs"], dtype, f"rank {rank}")
         assert res["handles"] and all("mode='reference'" in h for h in res["handles"]), res["handles"]
@@ -214,8 +216,10 @@ def test_finetune_example_on_two_cpu_ranks(tmp_path):
 
 
 def test_gpu_script_logic_on_cpu():
-    """tests/gpu/transformers_gpu.py --device cpu: the equality check passes and the timing table prints."""
+    """tests/gpu/transformers_gpu.py --device cpu (two of its models, to keep it short): the equality
+    checks pass and the timing table prints."""
     out = _torchrun(2, REPO / "tests" / "gpu" / "transformers_gpu.py",
-                    ["--device", "cpu", "--tiny", "--iters", "2", "--warmup", "1"], 240)
+                    ["--device", "cpu", "--tiny", "--models", "gpt_oss,deepseek_v3", "--iters", "2", "--warmup", "1",
+                     "--repeats", "1"], 240)
     assert "equality: passed" in out, out[-4000:]
     assert "te_ep / grouped_mm" in out, out[-4000:]
