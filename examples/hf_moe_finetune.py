@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 import te_ep_torch as te
-from te_ep_torch.integrations.transformers import parallelize_hf_moe
+from te_ep_torch.integrations.transformers import expert_parallel_modules, parallelize_hf_moe
 from te_ep_torch.parallel import init_moe_mesh, load_checkpoint, save_checkpoint, shutdown_ep_groups
 
 
@@ -137,8 +137,8 @@ def main() -> int:
     parallelize_hf_moe(model, mesh, max_tokens_per_rank=args.batch_size * args.seq_len, backend=args.backend,
                        mp_policy=mp_policy, src_data_rank=None if args.pretrained else 0)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    experts = [m for m in model.modules() if hasattr(m, "te_ep")]
-    group = experts[0].te_ep.group
+    experts = expert_parallel_modules(model)
+    group = experts[0][1].te_ep.group
     if rank == 0:
         print(f"{type(model).__name__}: ranks={world} (dp={world // args.ep} x ep={args.ep}) device={device.type} "
               f"backend={group.backend} dtype={dtype} MoE layers={len(experts)} experts={group.num_experts} "

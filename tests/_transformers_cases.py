@@ -29,7 +29,6 @@ from torch.distributed.tensor import DTensor
 import transformers
 from transformers import AutoModelForCausalLM
 
-import te_ep_torch
 from te_ep_torch.integrations.transformers import expert_parallel_modules, parallelize_hf_moe
 from te_ep_torch.parallel import init_moe_mesh, load_checkpoint, save_checkpoint
 
@@ -65,6 +64,12 @@ def make_config(family: str):
     if family == "qwen2_moe":
         return transformers.Qwen2MoeConfig(num_experts=8, moe_intermediate_size=16, intermediate_size=48,
                                            shared_expert_intermediate_size=24, **_COMMON)
+    if family == "nemotron_h":
+        # Experts without a gate (up_proj, relu2, down_proj), an attention and an MoE layer.
+        return transformers.NemotronHConfig(
+            layers_block_type=["attention", "moe"], n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=16,
+            moe_shared_expert_intermediate_size=16, n_group=1, topk_group=1,
+            **{k: v for k, v in _COMMON.items() if k != "num_hidden_layers"})
     raise ValueError(f"unknown family {family!r}")
 
 
@@ -376,7 +381,8 @@ def case_refusals(ctx):
     # num_experts not divisible by the EP size (here 2): 5 experts.
     five = fresh(num_experts=5)
     expect("indivisible", lambda: parallelize_hf_moe(five, None, **opts))
-    untouched = not any(isinstance(p, DTensor) for p in five.parameters()) and five.config._experts_implementation == "eager"
+    untouched = (not any(isinstance(p, DTensor) for p in five.parameters())
+                 and five.config._experts_implementation == "eager")
     # A dense model: nothing of the decorated kind.
     dense = AutoModelForCausalLM.from_config(transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,

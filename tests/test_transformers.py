@@ -3,14 +3,15 @@
 The multi-rank tests (bodies in tests/_transformers_cases.py) build tiny transformers MoE
 models from configs written in code (Qwen3-MoE, Mixtral, gpt-oss with expert biases and its
 interleaved clamped gate, DeepSeek-V3 with its sigmoid group-limited router, score bias and
-shared expert; OLMoE and Qwen2-MoE as other models of the decorated kind), make them
-expert-parallel with ``parallelize_hf_moe`` on CPU (gloo, te_ep "reference" backend) and
-compare the logits, the loss and every parameter gradient of the whole model with the
-unsharded model running transformers' own "eager" experts, at 2 and 4 ranks: EP over the
-default process group, over a 1-D mesh, and EP x FSDP2 on a (dp, ep) mesh (float32 and
-bfloat16 parameters), and with transformers' activation checkpointing. Plus ``torch.compile(fullgraph=True)`` of an MoE block
-(``aot_eager``), a DCP save at dp 2 x ep 2 loaded at EP 2, on a (1, 2) mesh and into the
-unsharded model, a batch too long on one rank, and what ``parallelize_hf_moe`` refuses.
+shared expert; OLMoE, Qwen2-MoE and Nemotron-H, whose experts have no gate, as other models
+of the decorated kind), make them expert-parallel with ``parallelize_hf_moe`` on CPU (gloo,
+te_ep "reference" backend) and compare the logits, the loss and every parameter gradient of
+the whole model with the unsharded model running transformers' own "eager" experts, at 2
+and 4 ranks: EP over the default process group, over a 1-D mesh, and EP x FSDP2 on a
+(dp, ep) mesh (float32 and bfloat16 compute), also with transformers' activation
+checkpointing. Plus ``torch.compile(fullgraph=True)`` of an MoE block (``aot_eager``), a
+DCP save at dp 2 x ep 2 loaded at EP 2, on a (1, 2) mesh and into the unsharded model, a
+batch too long on one rank, and what ``parallelize_hf_moe`` refuses.
 
 Tolerances (max |diff| / max |reference| per tensor): float32 ``1e-5`` (the experts see the
 same rows; only the order of the GEMMs' and the combine's sums differs from transformers'
@@ -58,6 +59,7 @@ PARITY = [
     # Other models with transformers' decorated experts.
     pytest.param(2, "olmoe", "group", None, "float32", "random", False, id="olmoe-group-W2"),
     pytest.param(2, "qwen2_moe", "group", None, "float32", "random", False, id="qwen2_moe-group-W2"),
+    pytest.param(2, "nemotron_h", "group", None, "float32", "random", False, id="nemotron_h-group-W2"),
     # A 1-D EP mesh over 4 ranks.
     pytest.param(4, "qwen3_moe", "mesh1d", None, "float32", "random", False, id="qwen3_moe-mesh1d-W4"),
     pytest.param(4, "deepseek_v3", "mesh1d", None, "float32", "uneven", False, id="deepseek_v3-uneven-mesh1d-W4"),

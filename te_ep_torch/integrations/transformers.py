@@ -2,7 +2,7 @@
 
 transformers (5.x) runs the experts of its MoE models through a registry: an experts
 class decorated with ``@use_experts_implementation`` (Qwen3-MoE, Mixtral, gpt-oss,
-DeepSeek-V3, OLMoE, ... ) looks up ``config._experts_implementation`` in
+DeepSeek-V3, OLMoE, ...) looks up ``config._experts_implementation`` in
 ``transformers.integrations.moe.ExpertsInterface`` and calls that function with
 ``(experts_module, hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K])``,
 after the model's own router has chosen the experts. This module registers
@@ -45,11 +45,18 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 try:
     import transformers
-    from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
 except ImportError as exc:  # pragma: no cover - exercised only without transformers
     raise ImportError(
         "te_ep_torch.integrations.transformers needs Hugging Face transformers (tested with transformers==5.17.0): "
         "pip install 'te_ep_torch[transformers]'"
+    ) from exc
+try:
+    from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
+except ImportError as exc:  # pragma: no cover - exercised only with another transformers
+    raise ImportError(
+        f"te_ep_torch.integrations.transformers: transformers {transformers.__version__} lacks the experts interface "
+        "it plugs into (transformers.integrations.moe.ExpertsInterface and its default gate); tested with "
+        "transformers==5.17.0: pip install 'te_ep_torch[transformers]'"
     ) from exc
 
 from ..autograd import ep_combine, ep_dispatch
@@ -116,7 +123,8 @@ class TeEpExpertsState:
         capacity = None
         if self.capacity_factor is not None:
             group, max_tokens = self.group, self.group.max_tokens_per_rank
-            rows = math.ceil(self.capacity_factor * group.ep_size * max_tokens * min(self.top_k, group.num_local_experts))
+            per_token = min(self.top_k, group.num_local_experts)
+            rows = math.ceil(self.capacity_factor * group.ep_size * max_tokens * per_token)
             rows += group.num_local_experts * (alignment - 1)
             capacity = min(max(rows, nccl_ep_capacity_floor(max_tokens)),
                            group.worst_case_capacity(self.top_k, alignment))
@@ -137,8 +145,8 @@ class TeEpExpertsState:
         if handle is None:
             if torch.compiler.is_compiling():
                 raise RuntimeError(
-                    f"te_ep experts {self.name!r}: no te_ep handle for {tokens.dtype} tokens while torch.compile traces "
-                    f"the layer (have {sorted(map(str, self.handles))}); pass parallelize_hf_moe(..., dtype="
+                    f"te_ep experts {self.name!r}: no te_ep handle for {tokens.dtype} tokens while torch.compile "
+                    f"traces the layer (have {sorted(map(str, self.handles))}); pass parallelize_hf_moe(..., dtype="
                     f"{tokens.dtype}) so the handle is made before compiling"
                 )
             handle = self.create_handle(tokens.dtype)
@@ -494,8 +502,8 @@ def parallelize_hf_moe(
         )
     ep_size = ep_mesh.size()
     layouts = [_check_layout(name, m, ep_size, top_k, ep_mesh.device_type) for name, m in found]
-    if dtype is None:
-        dtype = mp_policy.param_dtype if mp_policy is not None and mp_policy.param_dtype is not None else None
+    if dtype is None and mp_policy is not None:
+        dtype = mp_policy.param_dtype
 
     for layout in layouts:
         m = layout.module
@@ -514,10 +522,11 @@ def parallelize_hf_moe(
     # model's layers; the setter passes it on to sub-configs).
     for config in {id(layout.module.config): layout.module.config for layout in layouts}.values():
         config._experts_implementation = IMPLEMENTATION
-    unset = [layout.name for layout in layouts if layout.module.config._experts_implementation != IMPLEMENTATION]
+    unset = [layout for layout in layouts if layout.module.config._experts_implementation != IMPLEMENTATION]
     if unset:
-        raise RuntimeError(f"parallelize_hf_moe: {unset[0]!r} kept experts implementation "
-                           f"{layouts[0].module.config._experts_implementation!r}")
+        raise RuntimeError(f"parallelize_hf_moe: {unset[0].name!r} kept experts implementation "
+                           f"{unset[0].module.config._experts_implementation!r} after its config was set to "
+                           f"{IMPLEMENTATION!r}")
     if mesh is not None:
         _apply_fsdp(model, mesh, [layout.module for layout in layouts], dp_dim=dp_dim, ep_dim=ep_dim,
                     blocks=_default_blocks(model) if blocks is None else list(blocks), mp_policy=mp_policy,
