@@ -1,0 +1,559 @@
+"""Hugging Face transformers MoE models on the ``te_ep`` dispatch/combine ops.
+
+transformers (5.x) runs the experts of its MoE models through a registry: an experts
+class decorated with ``@use_experts_implementation`` (Qwen3-MoE, Mixtral, gpt-oss,
+DeepSeek-V3, OLMoE, ...) looks up ``config._experts_implementation`` in
+``transformers.integrations.moe.ExpertsInterface`` and calls that function with
+``(experts_module, hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K])``,
+after the model's own router has chosen the experts. This module registers
+:data:`IMPLEMENTATION` (``"te_ep"``) there, and :func:`parallelize_hf_moe` makes a
+loaded model expert-parallel on it:
+
+* every decorated experts module keeps its parameter names and global shapes; its
+  weights (``gate_up_proj`` / ``up_proj``, ``down_proj`` and their biases) become
+  ``Shard(0)`` DTensors over the EP mesh, so rank ``r`` holds experts
+  ``[r E / W, (r + 1) E / W)``, the block :class:`~te_ep_torch.EpGroup` assigns it;
+* its forward sends each token to the ranks of its experts with
+  :func:`te_ep_torch.ep_dispatch`, runs the local experts on the expert-major rows
+  (the module's own gate function ``_apply_gate`` / ``act_fn``, its biases, its weight
+  layout), weights the rows by the router's weights in float32 and sums them back with
+  :func:`te_ep_torch.ep_combine`; one :class:`~te_ep_torch.EpHandle` per experts module;
+* the router, shared experts and everything else are untouched (replicated), so the
+  model's routing (softmax or sigmoid, top-k, group limits, normalisation, score bias,
+  scaling) is exactly its own;
+* on a ``(dp, ep)`` mesh it then applies FSDP2 with the gradient scaling of
+  :func:`te_ep_torch.parallel.apply_fsdp`, so every gradient equals the unsharded model's.
+
+The state dict keeps the model's names and global shapes: DCP
+(:func:`te_ep_torch.parallel.save_checkpoint`) writes it, any EP size or the unsharded
+model reads it back. docs/transformers.md has the details.
+
+Nothing else in te_ep_torch imports this module or transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+try:
+    import transformers
+except ImportError as exc:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        "te_ep_torch.integrations.transformers needs Hugging Face transformers (tested with transformers==5.17.0): "
+        "pip install 'te_ep_torch[transformers]'"
+    ) from exc
+try:
+    from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
+except ImportError as exc:  # pragma: no cover - exercised only with another transformers
+    raise ImportError(
+        f"te_ep_torch.integrations.transformers: transformers {transformers.__version__} lacks the experts interface "
+        "it plugs into (transformers.integrations.moe.ExpertsInterface and its default gate); tested with "
+        "transformers==5.17.0: pip install 'te_ep_torch[transformers]'"
+    ) from exc
+
+from ..autograd import ep_combine, ep_dispatch
+from ..group import BACKENDS, NCCL_EP_MODES, EpGroup, EpHandle, nccl_ep_capacity_floor
+from ..moe import GROUPED_MM_ALIGNMENT, _WeightedIntoBuffer, grouped_mm_supported
+from ..parallel import _flat_dp_mesh, ep_group_for
+
+__all__ = [
+    "EXPERT_IMPLS",
+    "IMPLEMENTATION",
+    "TeEpExpertsState",
+    "expert_parallel_modules",
+    "parallelize_hf_moe",
+    "te_ep_experts_forward",
+]
+
+# The name under which transformers' ExpertsInterface finds te_ep's experts forward.
+IMPLEMENTATION = "te_ep"
+EXPERT_IMPLS = ("auto", "grouped_mm", "loop")
+
+# Parameters of a decorated experts module, by transformers' naming; te_ep shards exactly
+# these (dim 0 = experts) and refuses a module with any other parameter or buffer.
+_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
+_BIASES = tuple(f"{name}_bias" for name in _WEIGHTS)
+# Set on an experts module by @use_experts_implementation; the forward reads them.
+_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
+
+
+@dataclasses.dataclass
+class TeEpExpertsState:
+    """What :func:`parallelize_hf_moe` attaches to an experts module (as ``module.te_ep``).
+
+    Attributes:
+        name: the module's name in the model (for messages).
+        group: the :class:`~te_ep_torch.EpGroup` its tokens travel over.
+        top_k: experts per token (the router's).
+        hidden: token width.
+        handles: one handle per token dtype (the first made by :func:`parallelize_hf_moe`;
+            tokens of another dtype get their own on first eager use).
+        impls: the grouped-GEMM implementation per token dtype (``"grouped_mm"`` or ``"loop"``).
+        expert_impl, alignment, capacity_factor: the options they were made with.
+        dims: the feature dims of the experts' GEMMs (what ``torch._grouped_mm`` needs aligned).
+    """
+
+    name: str
+    group: EpGroup
+    top_k: int
+    hidden: int
+    expert_impl: str
+    alignment: Optional[int]
+    capacity_factor: Optional[float]
+    dims: Tuple[int, ...]
+    handles: Dict[torch.dtype, EpHandle] = dataclasses.field(default_factory=dict)
+    impls: Dict[torch.dtype, str] = dataclasses.field(default_factory=dict)
+
+    def create_handle(self, dtype: torch.dtype) -> EpHandle:
+        """Creates the handle for tokens of ``dtype`` (collective over the EP group)."""
+        impl = self.expert_impl
+        if impl == "auto":
+            impl = "grouped_mm" if grouped_mm_supported(self.group.device, dtype, *self.dims) else "loop"
+        alignment = self.alignment
+        if alignment is None:
+            alignment = GROUPED_MM_ALIGNMENT if impl == "grouped_mm" else 1
+        capacity = None
+        if self.capacity_factor is not None:
+            group, max_tokens = self.group, self.group.max_tokens_per_rank
+            per_token = min(self.top_k, group.num_local_experts)
+            rows = math.ceil(self.capacity_factor * group.ep_size * max_tokens * per_token)
+            rows += group.num_local_experts * (alignment - 1)
+            capacity = min(max(rows, nccl_ep_capacity_floor(max_tokens)),
+                           group.worst_case_capacity(self.top_k, alignment))
+        handle = self.group.create_handle(top_k=self.top_k, hidden=self.hidden, dtype=dtype, alignment=alignment,
+                                          capacity=capacity)
+        self.handles[dtype] = handle
+        self.impls[dtype] = impl
+        return handle
+
+    def handle_for(self, tokens: Tensor) -> Tuple[EpHandle, Optional[str]]:
+        """The handle for ``tokens``' dtype, and what is wrong with ``tokens`` for it (or None).
+
+        That error is not raised here: it may hold on this rank only (a longer batch), and
+        raising before the step's collectives would leave the other ranks waiting in them.
+        The ops' own checks see it and the ranks agree on it; the forward then raises this
+        message on this rank (docs/ops.md, "Faults and bad input")."""
+        handle = self.handles.get(tokens.dtype)
+        if handle is None:
+            if torch.compiler.is_compiling():
+                raise RuntimeError(
+                    f"te_ep experts {self.name!r}: no te_ep handle for {tokens.dtype} tokens while torch.compile "
+                    f"traces the layer (have {sorted(map(str, self.handles))}); pass parallelize_hf_moe(..., dtype="
+                    f"{tokens.dtype}) so the handle is made before compiling"
+                )
+            handle = self.create_handle(tokens.dtype)
+        num_tokens, hidden = tokens.shape
+        if hidden != self.hidden:
+            return handle, (f"te_ep experts {self.name!r}: hidden_states must have {self.hidden} columns, got shape "
+                            f"{tuple(tokens.shape)}")
+        if num_tokens > self.group.max_tokens_per_rank:
+            return handle, (f"te_ep experts {self.name!r}: {num_tokens} tokens reached the experts, more than "
+                            f"max_tokens_per_rank={self.group.max_tokens_per_rank}; pass parallelize_hf_moe(..., "
+                            "max_tokens_per_rank=) the largest per-rank batch size * sequence length")
+        return handle, None
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def te_ep_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    """The ``"te_ep"`` experts implementation (what ``ExpertsInterface`` calls; collective over the EP group).
+
+    ``hidden_states [T, H]``, ``top_k_index [T, K]`` (global expert ids) and
+    ``top_k_weights [T, K]`` come from the model's router; returns ``[T, H]`` in
+    ``hidden_states``' dtype: the sum over each token's experts of the weighted
+    expert outputs, as every transformers experts implementation does.
+    """
+    state: Optional[TeEpExpertsState] = getattr(self, "te_ep", None)
+    if state is None:
+        raise RuntimeError(
+            f"{type(self).__name__}: config._experts_implementation is {IMPLEMENTATION!r} but this experts module "
+            "was not made expert-parallel; call te_ep_torch.integrations.transformers.parallelize_hf_moe on the "
+            "model that owns it (a model built from the same config object shares the setting: give each model "
+            "its own config, e.g. copy.deepcopy(config))"
+        )
+    shape = hidden_states.shape
+    tokens = hidden_states.reshape(-1, shape[-1])
+    top_k = top_k_index.shape[-1]
+    if top_k != state.top_k:
+        raise ValueError(
+            f"te_ep experts {state.name!r}: top_k_index has {top_k} choices per token, the layer's handle was made "
+            f"for top_k={state.top_k}; pass parallelize_hf_moe(..., top_k={top_k})"
+        )
+    handle, bad = state.handle_for(tokens)
+    topk_idx = top_k_index.reshape(-1, top_k)
+    # te_ep weights rows in float32; a bfloat16 router weight converts exactly.
+    topk_weights = top_k_weights.reshape(-1, top_k).to(torch.float32)
+    try:
+        out = ep_dispatch(handle, tokens.contiguous(), topk_idx.contiguous(), topk_weights.contiguous())
+    except (RuntimeError, ValueError) as exc:
+        if bad is None:
+            raise
+        raise ValueError(f"{bad}\n(handle {handle.id} of group '{handle.group.group_name}')") from exc
+    y = _run_local_experts(self, out.tokens, out.expert_counts, state.impls[tokens.dtype])
+    if handle.mode == "zero_copy" and not torch.compiler.is_compiling():
+        # The weighting writes straight into the window combine reads (as te_ep_torch.moe.MoE does).
+        y = _WeightedIntoBuffer.apply(y, out.weights, handle)
+    else:
+        y = (y.float() * out.weights.unsqueeze(1)).to(y.dtype)
+    return ep_combine(handle, y, tokens.shape[0]).reshape(shape)
+
+
+def _run_local_experts(experts: nn.Module, rows: Tensor, counts: Tensor, impl: str) -> Tensor:
+    """The experts of this rank on ``rows [R, H]`` (expert-major zones of ``counts [E_local]`` rows).
+
+    Rows outside the zones come back zero (their routing weight is zero too)."""
+    first = "gate_up_proj" if experts.has_gate else "up_proj"
+    w1, w2 = _local(getattr(experts, first)), _local(experts.down_proj)
+    b1 = _local(getattr(experts, first + "_bias")) if experts.has_bias else None
+    b2 = _local(experts.down_proj_bias) if experts.has_bias else None
+    if not experts.is_transposed:  # [E, out, in] -> [E, in, out]
+        w1, w2 = w1.transpose(-2, -1), w2.transpose(-2, -1)
+    h = _grouped_linear(rows, w1, b1, counts, impl)
+    h = experts._apply_gate(h) if experts.has_gate else experts.act_fn(h)
+    return _grouped_linear(h, w2, b2, counts, impl).to(rows.dtype)
+
+
+def _grouped_linear(x: Tensor, w: Tensor, b: Optional[Tensor], counts: Tensor, impl: str) -> Tensor:
+    """``x @ w[e] + b[e]`` for the rows of each zone ``e``; zero past the last zone. ``w [E, in, out]``.
+
+    In ``w``'s dtype: the grouped GEMM is not autocast-aware (transformers' casts alike)."""
+    ends = counts.cumsum(0, dtype=torch.int32)
+    rows = torch.arange(x.shape[0], device=x.device)
+    x = x.to(w.dtype)
+    if impl == "grouped_mm":
+        # The grouped GEMM leaves rows past the last zone unwritten, in its output and in the
+        # gradient of its input: the masks make both zero.
+        used = (rows < ends[-1]).unsqueeze(1)
+        y = torch._grouped_mm(torch.where(used, x, 0), w, offs=ends)
+        if b is not None:
+            y = y + b[torch.searchsorted(ends, rows, right=True).clamp_max(w.shape[0] - 1)]
+        return torch.where(used, y, 0)
+    # One dense GEMM per local expert over the whole buffer, each row kept from its own
+    # expert only: static shapes (torch.compile, CUDA graphs), any device and dtype.
+    starts = ends - counts
+    out = x.new_zeros(x.shape[0], w.shape[2])
+    for e in range(w.shape[0]):
+        mine = ((rows >= starts[e]) & (rows < ends[e])).unsqueeze(1)
+        y = x @ w[e]
+        if b is not None:
+            y = y + b[e]
+        out = torch.where(mine, y, out)
+    return out
+
+
+ExpertsInterface.register(IMPLEMENTATION, te_ep_experts_forward)
+
+
+# ---- parallelize_hf_moe -------------------------------------------------------------------
+
+
+def _is_experts_module(module: nn.Module) -> bool:
+    """Whether ``module`` is an experts class decorated with transformers' ``@use_experts_implementation``."""
+    return all(hasattr(module, flag) for flag in _FLAGS) and hasattr(module, "config")
+
+
+def expert_parallel_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """``(name, module)`` of every experts module of ``model`` that :func:`parallelize_hf_moe` made expert-parallel."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(getattr(m, "te_ep", None), TeEpExpertsState)]
+
+
+@dataclasses.dataclass
+class _Layout:
+    """An experts module checked for te_ep: what sharding and the handle need."""
+
+    name: str
+    module: nn.Module
+    num_experts: int
+    top_k: int
+    hidden: int
+    dims: Tuple[int, ...]
+    params: List[str]
+
+
+def _check_layout(name: str, m: nn.Module, ep_size: int, top_k: Optional[int], device_type: str) -> _Layout:
+    """The layout of one decorated experts module; ValueError naming what te_ep can't serve."""
+    what = f"parallelize_hf_moe: experts module {name!r} ({type(m).__name__})"
+    num_experts = getattr(m, "num_experts", None)
+    if not isinstance(num_experts, int) or num_experts <= 0:
+        raise ValueError(f"{what} has no positive int attribute num_experts (got {num_experts!r}); te_ep needs the "
+                         "global expert count that its weights' dim 0 holds")
+    first = "gate_up_proj" if m.has_gate else "up_proj"
+    required = [first, "down_proj"] + ([first + "_bias", "down_proj_bias"] if m.has_bias else [])
+    params = dict(m.named_parameters(recurse=False))
+    missing = [p for p in required if p not in params]
+    if missing:
+        raise ValueError(f"{what} has no parameter {missing[0]!r}: te_ep runs experts whose weights are "
+                         f"{required} (has_gate={m.has_gate}, has_bias={m.has_bias}), got {sorted(params)}")
+    extra = [p for p in params if p not in required]
+    extra += [f"{child}.{p}" for child, sub in m.named_children() for p, _ in sub.named_parameters()]
+    if extra:
+        raise ValueError(f"{what} has parameter {extra[0]!r}, which te_ep does not know how to shard or use "
+                         f"(it runs experts made of {required} only), e.g. quantized experts; load the model "
+                         "unquantized or keep transformers' own experts implementation")
+    buffers = [b for b, _ in m.named_buffers()]
+    if buffers:
+        raise ValueError(f"{what} has buffer {buffers[0]!r}, which te_ep does not know how to shard or use")
+    for p in required:
+        t = params[p]
+        if isinstance(t, DTensor):
+            raise RuntimeError(f"{what}: {p} is already a DTensor; parallelize_hf_moe applies once, to a model "
+                               "whose experts hold all their weights")
+        if t.dim() != (2 if p.endswith("_bias") else 3) or t.shape[0] != num_experts:
+            raise ValueError(f"{what}: {p} has shape {tuple(t.shape)}, expected [num_experts={num_experts}, ...] "
+                             f"({'2' if p.endswith('_bias') else '3'}-D)")
+        if t.device.type == "meta":
+            raise ValueError(f"{what}: {p} is on the meta device; load or initialize the weights first")
+        if t.device.type != device_type:
+            raise ValueError(f"{what}: {p} is on {t.device}, the EP mesh on {device_type!r}; move the model "
+                             f"(model.to(...)) before parallelize_hf_moe")
+    if not m.is_concatenated and type(m)._apply_gate is _default_apply_gate:
+        raise ValueError(f"{what} stores gate and up interleaved (is_concatenated=False) without its own "
+                         "_apply_gate, which transformers' default gate (first half gate, second half up) would read "
+                         "wrong")
+    w1, w2 = params[first], params["down_proj"]
+    (in1, out1), (in2, out2) = ((w.shape[1], w.shape[2]) if m.is_transposed else (w.shape[2], w.shape[1])
+                                for w in (w1, w2))
+    if out2 != in1:
+        raise ValueError(f"{what}: {first} takes {in1} features and down_proj gives {out2}: the experts must map "
+                         f"tokens to tokens of the same width (is_transposed={m.is_transposed})")
+    if m.has_gate and type(m)._apply_gate is _default_apply_gate and out1 != 2 * in2:
+        raise ValueError(f"{what}: {first} gives {out1} features, down_proj takes {in2}; the default gate needs "
+                         f"{2 * in2}")
+    if num_experts % ep_size:
+        raise ValueError(f"{what}: num_experts ({num_experts}) must be divisible by the EP size ({ep_size}); te_ep "
+                         "gives every EP rank the same number of experts")
+    if top_k is None:
+        top_k = getattr(m.config, "num_experts_per_tok", None)
+        if not isinstance(top_k, int):
+            raise ValueError(f"{what}: its config has no int num_experts_per_tok (got {top_k!r}); pass "
+                             "parallelize_hf_moe(..., top_k=) the experts each token goes to")
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"{what}: top_k must be in [1, num_experts={num_experts}], got {top_k}")
+    return _Layout(name, m, num_experts, top_k, int(in1), (int(in1), int(out1), int(in2)), list(required))
+
+
+def _check_options(**options) -> None:
+    """ValueError naming the argument of :func:`parallelize_hf_moe` that is wrong."""
+    what = "parallelize_hf_moe"
+    max_tokens = options["max_tokens_per_rank"]
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
+        raise ValueError(f"{what}: max_tokens_per_rank must be a positive int (batch size * sequence length per "
+                         f"rank), got {max_tokens!r}")
+    if options["backend"] not in BACKENDS:
+        raise ValueError(f"{what}: backend must be one of {BACKENDS}, got {options['backend']!r}")
+    mode = options["nccl_ep_mode"]
+    if mode is not None and mode not in NCCL_EP_MODES:
+        raise ValueError(f"{what}: nccl_ep_mode must be None or one of {NCCL_EP_MODES}, got {mode!r}")
+    dtype = options["dtype"]
+    if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{what}: dtype must be None, torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")
+    alignment = options["alignment"]
+    if alignment is not None and (not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1)):
+        raise ValueError(f"{what}: alignment must be None or a power of two, got {alignment!r}")
+    factor = options["capacity_factor"]
+    if factor is not None and not (isinstance(factor, (int, float)) and not isinstance(factor, bool)
+                                   and 0 < factor <= 1):
+        raise ValueError(f"{what}: capacity_factor must be None or a float in (0, 1], got {factor!r}")
+    if options["expert_impl"] not in EXPERT_IMPLS:
+        raise ValueError(f"{what}: expert_impl must be one of {EXPERT_IMPLS}, got {options['expert_impl']!r}")
+    if options["expert_impl"] == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
+        raise ValueError(f"{what}: expert_impl='grouped_mm' needs torch._grouped_mm (torch {torch.__version__})")
+    top_k = options["top_k"]
+    if top_k is not None and (not isinstance(top_k, int) or top_k <= 0):
+        raise ValueError(f"{what}: top_k must be None or a positive int, got {top_k!r}")
+
+
+def _meshes(model: nn.Module, mesh_or_group, dp_dim: str, ep_dim: str) -> Tuple[DeviceMesh, Optional[DeviceMesh]]:
+    """``(ep_mesh, 2-D mesh or None)`` from what the caller passed."""
+    if isinstance(mesh_or_group, DeviceMesh):
+        if mesh_or_group.ndim == 1:
+            return mesh_or_group, None
+        names = mesh_or_group.mesh_dim_names or ()
+        if mesh_or_group.ndim != 2 or set(names) != {dp_dim, ep_dim}:
+            raise ValueError(f"parallelize_hf_moe: mesh_or_group must be a 1-D EP mesh or a 2-D mesh with dims "
+                             f"({dp_dim!r}, {ep_dim!r}) (dp_dim, ep_dim), got {mesh_or_group}")
+        return mesh_or_group[ep_dim], mesh_or_group
+    if mesh_or_group is not None and not isinstance(mesh_or_group, dist.ProcessGroup):
+        raise TypeError(f"parallelize_hf_moe: mesh_or_group must be a DeviceMesh, a ProcessGroup or None (the "
+                        f"default group), got {type(mesh_or_group).__name__}")
+    if not dist.is_initialized():
+        raise RuntimeError("parallelize_hf_moe: torch.distributed is not initialized; call init_process_group first")
+    pg = mesh_or_group if mesh_or_group is not None else dist.group.WORLD
+    param = next(iter(model.parameters()), None)
+    device_type = param.device.type if param is not None else "cpu"
+    return DeviceMesh.from_group(pg, device_type), None
+
+
+def _default_blocks(model: nn.Module) -> List[nn.Module]:
+    """The transformer blocks of a transformers model: its ``_no_split_modules`` classes."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names and m is not model]
+
+
+def parallelize_hf_moe(
+    model: nn.Module,
+    mesh_or_group=None,
+    *,
+    max_tokens_per_rank: int,
+    backend: str = "auto",
+    nccl_ep_mode: Optional[str] = None,
+    timeout=None,
+    dtype: Optional[torch.dtype] = None,
+    alignment: Optional[int] = None,
+    capacity_factor: Optional[float] = None,
+    expert_impl: str = "auto",
+    top_k: Optional[int] = None,
+    src_data_rank: Optional[int] = 0,
+    dp_dim: str = "dp",
+    ep_dim: str = "ep",
+    blocks: Optional[Iterable[nn.Module]] = None,
+    mp_policy=None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Makes a transformers MoE model expert-parallel on te_ep (collective; in place; returns ``model``).
+
+    Every experts module decorated with transformers' ``@use_experts_implementation``
+    gets its weights sharded ``Shard(0)`` over the EP ranks (names and global shapes
+    kept), its own :class:`~te_ep_torch.EpHandle` (attribute ``te_ep``, a
+    :class:`TeEpExpertsState`) and the ``"te_ep"`` experts implementation (set on its
+    config, ``config._experts_implementation``). Everything is checked before anything
+    changes: a model without such experts, experts with parameters te_ep does not know
+    (quantized ones, say), a layout it can't read or ``num_experts`` not divisible by the
+    EP size raise ``ValueError`` naming the module and what is wrong.
+
+    Args:
+        model: a loaded transformers model (weights materialized on the device the mesh
+            is on; every rank holds the same weights, or see ``src_data_rank``).
+        mesh_or_group: where the experts go.
+            * a 1-D ``DeviceMesh``, a ``ProcessGroup`` or ``None`` (the default group):
+              expert parallelism over those ranks only. Every other parameter stays a
+              plain replicated tensor whose gradient is this rank's; reduce those over the
+              ranks as data parallelism does. An expert's gradient already sums the losses
+              of all EP ranks' tokens (docs/moe.md, "ExpertParallel").
+            * a 2-D ``DeviceMesh`` with dims ``(dp_dim, ep_dim)``
+              (:func:`te_ep_torch.parallel.init_moe_mesh`): expert parallelism on
+              ``mesh[ep_dim]``, then FSDP2: each experts module on ``mesh[dp_dim]``
+              (``Shard(1)``, gradient divided by the world size), each of ``blocks`` and
+              then ``model`` on the flattened mesh. With each rank's loss the mean over its
+              own tokens, every gradient equals the unsharded model's on the concatenated
+              batch (te_ep_torch.parallel.apply_fsdp has the derivation).
+        max_tokens_per_rank: most tokens one forward of a rank sends into an MoE layer
+            (batch size * sequence length). A longer batch raises ``ValueError`` naming it.
+        backend: te_ep backend: ``"auto"`` (``nccl_ep`` on Hopper+ GPUs where NCCL EP
+            loads, else ``"reference"``), ``"reference"`` or ``"nccl_ep"``.
+        nccl_ep_mode, timeout: :class:`~te_ep_torch.EpGroup`'s (NCCL EP's transport mode,
+            the watchdog's limit); ``None``: their defaults.
+        dtype: dtype of the tokens entering the experts, the handles are made for it now
+            (before any ``torch.compile``); default ``mp_policy.param_dtype`` and else the
+            experts' weight dtype. Tokens of another dtype get their own handle on first
+            eager use.
+        alignment: rows each expert zone is padded to (power of two); ``None``: 16 where
+            the experts run ``torch._grouped_mm``, else 1.
+        capacity_factor: receive rows as a fraction in (0, 1] of the worst case (every
+            token of every EP rank here); ``None`` = the worst case, which no routing
+            overflows. A step that needs more raises ``capacity overflow`` on every rank.
+        expert_impl: how the local experts run on the received rows: ``"grouped_mm"``
+            (``torch._grouped_mm``), ``"loop"`` (a dense GEMM per local expert over the
+            buffer, any device and dtype) or ``"auto"`` (``grouped_mm`` on CUDA SM90+ in
+            bfloat16 with dims a multiple of 8, else ``loop``).
+        top_k: experts per token; default the config's ``num_experts_per_tok``.
+        src_data_rank: the EP rank whose expert weights are scattered (so every rank
+            starts from the same weights); ``None`` keeps each rank's own slice without
+            communication (every rank loaded the same checkpoint).
+        dp_dim, ep_dim: the 2-D mesh's dim names.
+        blocks: modules that become their own FSDP units (2-D mesh only); default the
+            model's ``_no_split_modules`` classes (its decoder layers).
+        mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy`` of every FSDP unit
+            (2-D mesh only). The experts' units never cast their inputs, so the router's
+            weights reach them in the router's own dtype.
+        reshard_after_forward: ``fully_shard``'s (2-D mesh only).
+    """
+    _check_options(max_tokens_per_rank=max_tokens_per_rank, backend=backend, nccl_ep_mode=nccl_ep_mode, dtype=dtype,
+                   alignment=alignment, capacity_factor=capacity_factor, expert_impl=expert_impl, top_k=top_k)
+    ep_mesh, mesh = _meshes(model, mesh_or_group, dp_dim, ep_dim)
+    if mesh is None and (mp_policy is not None or blocks is not None):
+        raise ValueError("parallelize_hf_moe: mp_policy and blocks are FSDP2 options; they need a 2-D (dp, ep) mesh "
+                         "as mesh_or_group")
+    found = [(name, m) for name, m in model.named_modules() if _is_experts_module(m)]
+    if not found:
+        raise ValueError(
+            f"parallelize_hf_moe: {type(model).__name__} has no experts module of transformers' "
+            "@use_experts_implementation kind (stacked [num_experts, ...] weights, has_gate/has_bias/is_transposed "
+            f"flags; transformers {transformers.__version__}), so te_ep has nothing to run"
+        )
+    inside = tuple(name + "." for name, _ in found)
+    others = [name for name, m in model.named_modules()
+              if name.rsplit(".", 1)[-1] == "experts" and not _is_experts_module(m) and not name.startswith(inside)]
+    if others:
+        raise ValueError(
+            f"parallelize_hf_moe: {others[0]!r} ({type(model.get_submodule(others[0])).__name__}) holds experts that "
+            "are not of transformers' @use_experts_implementation kind; te_ep would leave them replicated on every "
+            "rank, so the model is refused"
+        )
+    ep_size = ep_mesh.size()
+    layouts = [_check_layout(name, m, ep_size, top_k, ep_mesh.device_type) for name, m in found]
+    if dtype is None and mp_policy is not None:
+        dtype = mp_policy.param_dtype
+
+    for layout in layouts:
+        m = layout.module
+        for p in layout.params:
+            param = getattr(m, p)
+            sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)], src_data_rank=src_data_rank)
+            m.register_parameter(p, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        group = ep_group_for(ep_mesh, num_experts=layout.num_experts, max_tokens_per_rank=max_tokens_per_rank,
+                             backend=backend, nccl_ep_mode=nccl_ep_mode, timeout=timeout)
+        state = TeEpExpertsState(name=layout.name, group=group, top_k=layout.top_k, hidden=layout.hidden,
+                                 expert_impl=expert_impl, alignment=alignment, capacity_factor=capacity_factor,
+                                 dims=layout.dims)
+        state.create_handle(dtype if dtype is not None else getattr(m, layout.params[0]).dtype)
+        m.te_ep = state
+    # The experts forward is chosen by the config the module was built with (shared by the
+    # model's layers; the setter passes it on to sub-configs).
+    for config in {id(layout.module.config): layout.module.config for layout in layouts}.values():
+        config._experts_implementation = IMPLEMENTATION
+    unset = [layout for layout in layouts if layout.module.config._experts_implementation != IMPLEMENTATION]
+    if unset:
+        raise RuntimeError(f"parallelize_hf_moe: {unset[0].name!r} kept experts implementation "
+                           f"{unset[0].module.config._experts_implementation!r} after its config was set to "
+                           f"{IMPLEMENTATION!r}")
+    if mesh is not None:
+        _apply_fsdp(model, mesh, [layout.module for layout in layouts], dp_dim=dp_dim, ep_dim=ep_dim,
+                    blocks=_default_blocks(model) if blocks is None else list(blocks), mp_policy=mp_policy,
+                    reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def _apply_fsdp(model: nn.Module, mesh: DeviceMesh, experts: List[nn.Module], *, dp_dim: str, ep_dim: str,
+                blocks: List[nn.Module], mp_policy, reshard_after_forward: bool) -> None:
+    """FSDP2 as :func:`te_ep_torch.parallel.apply_fsdp` lays it out, for transformers' experts modules."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+    # The router's weights (float32 in DeepSeek-V3, say) reach the experts uncast.
+    experts_mp = dataclasses.replace(mp_policy, cast_forward_inputs=False)
+    dp_mesh = mesh[dp_dim]
+    dense_mesh = _flat_dp_mesh(mesh, dp_dim, ep_dim)
+    world = dense_mesh.size()
+    # Gloo has no pre-multiplied sum; FSDP then divides around a plain sum instead.
+    force_sum = dp_mesh.size() > 1 and dist.get_backend(dp_mesh.get_group()) != "nccl"
+    for m in experts:
+        # Dim 0 (experts) is split by EP already: FSDP shards dim 1.
+        fully_shard(m, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                    shard_placement_fn=lambda _param: Shard(1), mp_policy=experts_mp)
+        m.set_gradient_divide_factor(float(world))
+        if force_sum:
+            m.set_force_sum_reduction_for_comms(True)
+    for block in blocks:
+        fully_shard(block, mesh=dense_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    fully_shard(model, mesh=dense_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
