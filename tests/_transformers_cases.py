@@ -409,6 +409,7 @@ def case_refusals(ctx):
         "capacity_factor": dict(opts, capacity_factor=1.5),
         "expert_impl": dict(opts, expert_impl="fast"),
         "nccl_ep_mode": dict(opts, nccl_ep_mode="fast"),
+        "checks": dict(opts, checks="strict"),
         "dtype": dict(opts, dtype=torch.int8),
         "fsdp_options_without_mesh": dict(opts, blocks=[]),
     }.items():

@@ -60,7 +60,7 @@ except ImportError as exc:  # pragma: no cover - exercised only with another tra
     ) from exc
 
 from ..autograd import ep_combine, ep_dispatch
-from ..group import BACKENDS, NCCL_EP_MODES, EpGroup, EpHandle, nccl_ep_capacity_floor
+from ..group import BACKENDS, CHECKS, NCCL_EP_MODES, EpGroup, EpHandle, nccl_ep_capacity_floor
 from ..moe import GROUPED_MM_ALIGNMENT, _WeightedIntoBuffer, grouped_mm_supported
 from ..parallel import _flat_dp_mesh, ep_group_for
 
@@ -351,9 +351,10 @@ def _check_options(**options) -> None:
                          f"rank), got {max_tokens!r}")
     if options["backend"] not in BACKENDS:
         raise ValueError(f"{what}: backend must be one of {BACKENDS}, got {options['backend']!r}")
-    mode = options["nccl_ep_mode"]
-    if mode is not None and mode not in NCCL_EP_MODES:
-        raise ValueError(f"{what}: nccl_ep_mode must be None or one of {NCCL_EP_MODES}, got {mode!r}")
+    if options["nccl_ep_mode"] not in NCCL_EP_MODES:
+        raise ValueError(f"{what}: nccl_ep_mode must be one of {NCCL_EP_MODES}, got {options['nccl_ep_mode']!r}")
+    if options["checks"] not in CHECKS:
+        raise ValueError(f"{what}: checks must be one of {CHECKS}, got {options['checks']!r}")
     dtype = options["dtype"]
     if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"{what}: dtype must be None, torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")
@@ -406,8 +407,9 @@ def parallelize_hf_moe(
     *,
     max_tokens_per_rank: int,
     backend: str = "auto",
-    nccl_ep_mode: Optional[str] = None,
+    nccl_ep_mode: str = "staged",
     timeout=None,
+    checks: str = "local",
     dtype: Optional[torch.dtype] = None,
     alignment: Optional[int] = None,
     capacity_factor: Optional[float] = None,
@@ -451,8 +453,8 @@ def parallelize_hf_moe(
             (batch size * sequence length). A longer batch raises ``ValueError`` naming it.
         backend: te_ep backend: ``"auto"`` (``nccl_ep`` on Hopper+ GPUs where NCCL EP
             loads, else ``"reference"``), ``"reference"`` or ``"nccl_ep"``.
-        nccl_ep_mode, timeout: :class:`~te_ep_torch.EpGroup`'s (NCCL EP's transport mode,
-            the watchdog's limit); ``None``: their defaults.
+        nccl_ep_mode, timeout, checks: :class:`~te_ep_torch.EpGroup`'s (NCCL EP's transport
+            mode, the watchdog's limit, how bad input is caught: docs/ops.md, "Check modes").
         dtype: dtype of the tokens entering the experts, the handles are made for it now
             (before any ``torch.compile``); default ``mp_policy.param_dtype`` and else the
             experts' weight dtype. Tokens of another dtype get their own handle on first
@@ -478,7 +480,8 @@ def parallelize_hf_moe(
             weights reach them in the router's own dtype.
         reshard_after_forward: ``fully_shard``'s (2-D mesh only).
     """
-    _check_options(max_tokens_per_rank=max_tokens_per_rank, backend=backend, nccl_ep_mode=nccl_ep_mode, dtype=dtype,
+    _check_options(max_tokens_per_rank=max_tokens_per_rank, backend=backend, nccl_ep_mode=nccl_ep_mode, checks=checks,
+                   dtype=dtype,
                    alignment=alignment, capacity_factor=capacity_factor, expert_impl=expert_impl, top_k=top_k)
     ep_mesh, mesh = _meshes(model, mesh_or_group, dp_dim, ep_dim)
     if mesh is None and (mp_policy is not None or blocks is not None):
@@ -512,7 +515,7 @@ def parallelize_hf_moe(
             sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)], src_data_rank=src_data_rank)
             m.register_parameter(p, nn.Parameter(sharded, requires_grad=param.requires_grad))
         group = ep_group_for(ep_mesh, num_experts=layout.num_experts, max_tokens_per_rank=max_tokens_per_rank,
-                             backend=backend, nccl_ep_mode=nccl_ep_mode, timeout=timeout)
+                             backend=backend, nccl_ep_mode=nccl_ep_mode, timeout=timeout, checks=checks)
         state = TeEpExpertsState(name=layout.name, group=group, top_k=layout.top_k, hidden=layout.hidden,
                                  expert_impl=expert_impl, alignment=alignment, capacity_factor=capacity_factor,
                                  dims=layout.dims)
