@@ -827,11 +827,11 @@ def case_check_modes(ctx) -> None:
                     f"rank {r}: checks={mode}: the failed step's outputs must be zeros on every rank"
                 expect_raises(handle.check, f"rank {W - 1}: " + says[0], says[1])
             else:
-                out_clean, y_clean = step(clean)
-                torch.testing.assert_close(y, y_clean, atol=0, rtol=0)
-                if last:
+                if last:  # before the next prepare, which would raise it too
                     expect_raises(handle.check, f"on rank {W - 1}", *says)
                 handle.check()  # nothing left to raise, on any rank
+                out_clean, y_clean = step(clean)
+                torch.testing.assert_close(y, y_clean, atol=0, rtol=0)
         run_exact_step(ctx, group, handle, st, r, W, tag=f"checks={mode}, after: ")
         handle.destroy()
     group.shutdown()

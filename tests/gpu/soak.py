@@ -112,7 +112,7 @@ def main() -> None:
     ok, failures = run(args.backend, args.steps, args.tokens, args.step_timeout, args.nccl_ep_mode)
     results.append(("soak", ok, failures))
     # Shutdown and re-initialisation in one process, then a shorter run.
-    ok, failures = run(args.backend, max(50, args.steps // 10), args.tokens, args.step_timeout)
+    ok, failures = run(args.backend, max(50, args.steps // 10), args.tokens, args.step_timeout, args.nccl_ep_mode)
     results.append(("re-init", ok, failures))
 
     flags = torch.tensor([int(ok) for _, ok, _ in results], device="cuda")
