@@ -135,6 +135,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                              "shared expert overlapping them (te_ep-overlap rows)")
     parser.add_argument("--fp8", action="store_true",
                         help="also time each te_ep block with FP8 dispatch (te_ep-fp8 rows)")
+    parser.add_argument("--nccl-ep-mode", default="staged", choices=["staged", "zero_copy", "auto"],
+                        help="EpGroup(nccl_ep_mode=...) of the te_ep blocks (run once per mode to compare them)")
+    parser.add_argument("--checks", default="local", choices=["local", "device", "synchronous"],
+                        help="EpGroup(checks=...) of the te_ep blocks (docs/ops.md, 'Check modes')")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--csv", help="also write the rows to this CSV file (rank 0)")
     args = parser.parse_args(argv)
@@ -228,7 +232,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     seen = set()
     rows = []
     for backend in args.backend:
-        group = te.EpGroup(num_experts=args.experts, max_tokens_per_rank=args.tokens, backend=backend, device=device)
+        group = te.EpGroup(num_experts=args.experts, max_tokens_per_rank=args.tokens, backend=backend, device=device,
+                           nccl_ep_mode=args.nccl_ep_mode, checks=args.checks)
         if group.backend in seen:
             if rank == 0:
                 print(f"\n--backend {backend} resolves to {group.backend}, already measured", flush=True)

@@ -116,7 +116,8 @@ def record(args) -> None:
     dtype = torch.bfloat16 if cuda else torch.float32
     config = MoEConfig(hidden=args.hidden, ffn=args.ffn, num_experts=args.experts, top_k=args.top_k, dtype=dtype,
                        shared_ffn=args.shared_ffn)
-    group = te.EpGroup(num_experts=args.experts, max_tokens_per_rank=args.tokens, device=device)
+    group = te.EpGroup(num_experts=args.experts, max_tokens_per_rank=args.tokens, device=device,
+                       nccl_ep_mode=args.nccl_ep_mode, checks=args.checks)
     block = TeEpMoEBlock(config, group, alignment=16, overlap=not args.no_overlap)
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(args.tokens, args.hidden, generator=gen).to(device, dtype).requires_grad_()
@@ -158,6 +159,8 @@ def main(argv=None) -> None:
     rec.add_argument("--top-k", type=int, default=8)
     rec.add_argument("--warmup", type=int, default=5)
     rec.add_argument("--no-overlap", action="store_true", help="record the sequential layer instead")
+    rec.add_argument("--nccl-ep-mode", default="staged", choices=["staged", "zero_copy", "auto"])
+    rec.add_argument("--checks", default="local", choices=["local", "device", "synchronous"])
     rec.add_argument("--cpu", action="store_true", help="gloo on CPU (tests the script; no GPU lanes)")
     plo = sub.add_parser("plot", help="draw a recorded trace's GPU streams to a PNG")
     plo.add_argument("trace")

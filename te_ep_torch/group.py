@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import math
 import socket
 import warnings
 import weakref
@@ -22,7 +23,6 @@ BACKENDS = ("auto", "reference", "nccl_ep")
 NCCL_EP_MODES = ("auto", "zero_copy", "staged")
 # How a handle catches bad input (docs/ops.md, "Check modes"); the first is the default.
 CHECKS = ("local", "device", "synchronous")
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 _log = logging.getLogger("te_ep_torch")
 _modes_logged: set = set()
@@ -103,8 +103,9 @@ def _timeout_ms(timeout, pg: dist.ProcessGroup, device: torch.device) -> int:
 
 def nccl_ep_capacity_floor(max_tokens_per_rank: int) -> int:
     """The least capacity ``nccl_ep`` takes: NCCL EP's receive budget may not be below its send
-    budget, ``max_tokens_per_rank`` rounded up to a multiple of :data:`NCCL_EP_EXPERT_MULTIPLE`."""
-    return -(-max_tokens_per_rank // NCCL_EP_EXPERT_MULTIPLE) * NCCL_EP_EXPERT_MULTIPLE
+    budget, ``max_tokens_per_rank`` rounded up to a multiple of :data:`NCCL_EP_EXPERT_MULTIPLE`.
+    The rule is the C++ backend's (``nccl_ep_capacity_floor`` in csrc/torch/backend.h)."""
+    return int(torch.ops.te_ep._nccl_ep_capacity_floor(max_tokens_per_rank))
 
 
 def _is_power_of_two(v: int) -> bool:
@@ -273,6 +274,19 @@ class EpGroup:
         """Receive rows that no routing can overflow (the default capacity)."""
         return ops.worst_case_capacity(self.ep_size, self.max_tokens_per_rank, top_k, self.num_local_experts, alignment)
 
+    def capacity_for_factor(self, top_k: int, alignment: int, factor: float) -> int:
+        """A capacity of ``factor`` (in (0, 1]) times the worst case's token rows,
+        ``W * max_tokens_per_rank * min(top_k, E_local)``, plus every zone's padding, within
+        [NCCL EP's floor, :meth:`worst_case_capacity`]: the framework integrations'
+        ``capacity_factor``. A step that needs more raises ``capacity overflow``."""
+        if not (isinstance(factor, (int, float)) and 0 < factor <= 1):
+            raise ValueError(f"capacity_for_factor: factor must be a float in (0, 1], got {factor!r}")
+        per_token = min(top_k, self.num_local_experts)
+        rows = math.ceil(factor * self.ep_size * self.max_tokens_per_rank * per_token)
+        rows += self.num_local_experts * (alignment - 1)
+        return min(max(rows, nccl_ep_capacity_floor(self.max_tokens_per_rank)),
+                   self.worst_case_capacity(top_k, alignment))
+
     def capacity_for(self, topk_idx: Tensor, alignment: int = 1, headroom: float = 0.1) -> int:
         """A capacity fitted to a measured routing (collective).
 
@@ -355,36 +369,33 @@ class EpGroup:
         checks = self.checks if checks is None else checks
 
         def validated() -> int:
-            if not isinstance(top_k, int) or not 0 < top_k <= self.num_experts:
-                raise ValueError(f"create_handle: top_k must be an int in [1, {self.num_experts}], got {top_k!r}")
-            if not isinstance(hidden, int) or hidden <= 0:
-                raise ValueError(f"create_handle: hidden must be a positive int, got {hidden!r}")
-            if dtype not in _DTYPES:
-                raise ValueError(f"create_handle: dtype must be one of {_DTYPES}, got {dtype}")
-            if not isinstance(alignment, int) or not _is_power_of_two(alignment):
-                raise ValueError(f"create_handle: alignment must be a power of two, got {alignment!r}")
-            if checks not in CHECKS:
+            # Python checks what the op schema can't express (types); the value rules are the C++
+            # side's (handle_config in csrc/torch/comm_ops.cpp), asked before the ranks agree.
+            for name, value in (("top_k", top_k), ("hidden", hidden), ("alignment", alignment)):
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise ValueError(f"create_handle: {name} must be an int, got {value!r}")
+            if not isinstance(dtype, torch.dtype) or not (dispatch_dtype is None or isinstance(dispatch_dtype,
+                                                                                               torch.dtype)):
+                raise ValueError(f"create_handle: dtype and dispatch_dtype must be torch.dtypes, got {dtype!r} and "
+                                 f"{dispatch_dtype!r}")
+            if not isinstance(checks, str):
                 raise ValueError(f"create_handle: checks must be one of {CHECKS}, got {checks!r}")
-            if dispatch_dtype is not None:
-                if dispatch_dtype != torch.float8_e4m3fn:
-                    raise ValueError(
-                        f"create_handle: dispatch_dtype must be None or torch.float8_e4m3fn, got {dispatch_dtype}"
-                    )
-                if hidden % ops.FP8_BLOCK:
-                    raise ValueError(
-                        f"create_handle: FP8 dispatch scales blocks of {ops.FP8_BLOCK} values, so hidden must be a "
-                        f"multiple of {ops.FP8_BLOCK}, got hidden={hidden}"
-                    )
+            if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool)):
+                raise ValueError(f"create_handle: capacity must be an int, got {capacity!r}")
+            fitted = capacity
+            if capacity is None and top_k > 0 and _is_power_of_two(alignment):
+                fitted = self.worst_case_capacity(top_k, alignment)
+                if self.backend == "nccl_ep":
+                    fitted = max(fitted, nccl_ep_capacity_floor(self.max_tokens_per_rank))
+            error = ops.handle_config_error(
+                self.group_name, self.backend, self.num_experts, self.max_tokens_per_rank, top_k, hidden,
+                fitted if fitted is not None else 0, alignment, dtype, self.device, self.nccl_ep_mode,
+                dispatch_dtype, self.timeout_ms, checks)
+            if error:
+                raise ValueError(error)
             if self.backend == "nccl_ep":
                 ops.watchdog_state()  # a bad $TE_EP_WATCHDOG raises here, agreed like any argument error
-            if capacity is None:
-                worst = self.worst_case_capacity(top_k, alignment)
-                if self.backend == "nccl_ep":
-                    return max(worst, nccl_ep_capacity_floor(self.max_tokens_per_rank))
-                return worst
-            if not isinstance(capacity, int) or capacity <= 0:
-                raise ValueError(f"create_handle: capacity must be a positive int, got {capacity!r}")
-            return capacity
+            return fitted
 
         # Collective: every rank validates, then all agree on the handle's configuration, the
         # group's backend and NCCL EP mode included (agreed by EpGroup too, but two EpGroups over

@@ -11,6 +11,8 @@ families are in ``autograd.py``, the DTensor rules of the permutation ops in
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import List, Optional, Tuple
 
 import torch
@@ -69,6 +71,18 @@ def create_handle(
         group_name, backend, num_experts, max_tokens_per_rank, top_k, hidden, capacity, alignment, dtype, device,
         nccl_ep_mode, dispatch_dtype, timeout_ms, checks,
     )
+
+
+def handle_config_error(
+    group_name: str, backend: str, num_experts: int, max_tokens_per_rank: int, top_k: int, hidden: int,
+    capacity: int, alignment: int, dtype: torch.dtype, device: torch.device, nccl_ep_mode: str = "staged",
+    dispatch_dtype: Optional[torch.dtype] = None, timeout_ms: int = 0, checks: str = "local",
+) -> str:
+    """The first rule :func:`create_handle`'s arguments break (``""`` if none), creating nothing."""
+    return str(torch.ops.te_ep._handle_config_error(
+        group_name, backend, num_experts, max_tokens_per_rank, top_k, hidden, capacity, alignment, dtype, device,
+        nccl_ep_mode, dispatch_dtype, timeout_ms, checks,
+    ))
 
 
 def destroy_handle(handle_id: int) -> None:
@@ -203,27 +217,41 @@ def _misrouted(handle_mem: Tensor) -> bool:
     return not is_fake(handle_mem) and handle_mem.device.type != "meta"
 
 
-def _real_kernel(op, handle_mem: Tensor, *args):
-    key = torch._C.DispatchKey.CUDA if handle_mem.is_cuda else torch._C.DispatchKey.CPU
-    return op.default.redispatch(torch._C.DispatchKeySet(key), *args)
+def _comm_fake(name: str):
+    """Registers the fake kernel of communication op ``te_ep::<name>``. Every such fake
+    first hands real tensors that reached it (``_misrouted``) to the real kernel of the
+    handle's device, with the arguments as the op received them."""
+    op = getattr(torch.ops.te_ep, name)
+
+    def register(fake):
+        signature = inspect.signature(fake)
+
+        @functools.wraps(fake)
+        def checked(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            handle_mem = bound.arguments["handle_mem"]
+            if _misrouted(handle_mem):
+                key = torch._C.DispatchKey.CUDA if handle_mem.is_cuda else torch._C.DispatchKey.CPU
+                return op.default.redispatch(torch._C.DispatchKeySet(key), *bound.args)
+            return fake(*args, **kwargs)
+
+        torch.library.register_fake(f"te_ep::{name}")(checked)
+        return checked
+
+    return register
 
 
-@torch.library.register_fake("te_ep::prepare")
+@_comm_fake("prepare")
 def _prepare_fake(topk_idx, handle_mem, group_name, handle_id, num_local_experts, handle_key=None):
-    if _misrouted(handle_mem):
-        return _real_kernel(torch.ops.te_ep.prepare, handle_mem, topk_idx, handle_mem, group_name, handle_id,
-                            num_local_experts, handle_key)
     torch._check(topk_idx.dim() == 2, lambda: f"te_ep.prepare: topk_idx must be 2-D, got {topk_idx.dim()}-D")
     counts = handle_mem.new_empty((num_local_experts,), dtype=torch.int32)
     total = handle_mem.new_empty((1,), dtype=torch.int32)
     return counts, total
 
 
-@torch.library.register_fake("te_ep::dispatch")
+@_comm_fake("dispatch")
 def _dispatch_fake(tokens, topk_weights, handle_mem, group_name, handle_id, capacity, handle_key=None):
-    if _misrouted(handle_mem):
-        return _real_kernel(torch.ops.te_ep.dispatch, handle_mem, tokens, topk_weights, handle_mem, group_name,
-                            handle_id, capacity, handle_key)
     torch._check(tokens.dim() == 2, lambda: f"te_ep.dispatch: tokens must be 2-D, got {tokens.dim()}-D")
     torch._check(
         topk_weights.dtype == torch.float32,
@@ -234,11 +262,8 @@ def _dispatch_fake(tokens, topk_weights, handle_mem, group_name, handle_id, capa
     return recv, weights
 
 
-@torch.library.register_fake("te_ep::dispatch_fp8")
+@_comm_fake("dispatch_fp8")
 def _dispatch_fp8_fake(values, scales, topk_weights, handle_mem, group_name, handle_id, capacity, handle_key=None):
-    if _misrouted(handle_mem):
-        return _real_kernel(torch.ops.te_ep.dispatch_fp8, handle_mem, values, scales, topk_weights, handle_mem,
-                            group_name, handle_id, capacity, handle_key)
     op = "te_ep.dispatch_fp8"
     _check(values.dim() == 2, f"{op}: values must be 2-D, got {values.dim()}-D")
     _check(values.dtype == torch.float8_e4m3fn, f"{op}: values must be torch.float8_e4m3fn, got {values.dtype}")
@@ -251,31 +276,22 @@ def _dispatch_fp8_fake(values, scales, topk_weights, handle_mem, group_name, han
     )
 
 
-@torch.library.register_fake("te_ep::combine")
+@_comm_fake("combine")
 def _combine_fake(expert_out, handle_mem, group_name, handle_id, num_tokens, handle_key=None):
-    if _misrouted(handle_mem):
-        return _real_kernel(torch.ops.te_ep.combine, handle_mem, expert_out, handle_mem, group_name, handle_id,
-                            num_tokens, handle_key)
     torch._check(expert_out.dim() == 2, lambda: f"te_ep.combine: expert_out must be 2-D, got {expert_out.dim()}-D")
     return expert_out.new_empty((num_tokens, expert_out.shape[1]))
 
 
-@torch.library.register_fake("te_ep::dispatch_bwd")
+@_comm_fake("dispatch_bwd")
 def _dispatch_bwd_fake(grad_recv_tokens, grad_recv_weights, handle_mem, group_name, handle_id, num_tokens, top_k,
                        handle_key=None):
-    if _misrouted(handle_mem):
-        return _real_kernel(torch.ops.te_ep.dispatch_bwd, handle_mem, grad_recv_tokens, grad_recv_weights,
-                            handle_mem, group_name, handle_id, num_tokens, top_k, handle_key)
     grad_tokens = grad_recv_tokens.new_empty((num_tokens, grad_recv_tokens.shape[1]))
     grad_weights = grad_recv_weights.new_empty((num_tokens, top_k))
     return grad_tokens, grad_weights
 
 
-@torch.library.register_fake("te_ep::combine_bwd")
+@_comm_fake("combine_bwd")
 def _combine_bwd_fake(grad_out, handle_mem, group_name, handle_id, capacity, handle_key=None):
-    if _misrouted(handle_mem):
-        return _real_kernel(torch.ops.te_ep.combine_bwd, handle_mem, grad_out, handle_mem, group_name, handle_id,
-                            capacity, handle_key)
     return grad_out.new_empty((capacity, grad_out.shape[1]))
 
 

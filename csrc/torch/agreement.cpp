@@ -29,14 +29,6 @@ constexpr char kSeparator = '\x1f';
 
 }  // namespace
 
-Checks parse_checks(const std::string& name) {
-  if (name == "local") return Checks::kLocal;
-  if (name == "device") return Checks::kDevice;
-  if (name == "synchronous") return Checks::kSynchronous;
-  TORCH_CHECK(false, "te_ep.create_handle: checks must be 'local', 'device' or 'synchronous', got '", name, "'");
-  return Checks::kLocal;
-}
-
 const char* checks_name(Checks checks) {
   switch (checks) {
     case Checks::kLocal: return "local";
@@ -44,6 +36,13 @@ const char* checks_name(Checks checks) {
     case Checks::kSynchronous: return "synchronous";
   }
   return "";
+}
+
+std::optional<Checks> parse_checks(const std::string& name) {
+  for (Checks checks : {Checks::kLocal, Checks::kDevice, Checks::kSynchronous}) {
+    if (name == checks_name(checks)) return checks;
+  }
+  return std::nullopt;
 }
 
 std::vector<std::string> gather_messages(const HandleConfig& cfg, const std::string& local) {

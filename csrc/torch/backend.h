@@ -18,8 +18,8 @@ namespace te_ep {
 // lives in nccl_ep_checks.h). The reference backend raises in the op on every
 // rank whatever is asked.
 enum class Checks { kLocal, kDevice, kSynchronous };
-// "local", "device" or "synchronous"; anything else throws naming the argument.
-Checks parse_checks(const std::string& name);
+// "local", "device" or "synchronous"; nullopt for anything else.
+std::optional<Checks> parse_checks(const std::string& name);
 const char* checks_name(Checks checks);
 
 // Everything a handle was created with. The op adapters check every call's
@@ -135,6 +135,16 @@ void agree_on_host(const HandleConfig& cfg, const std::string& op, const std::st
 // weights with 16-byte copies and assert (aborting the process) that
 // max_tokens * top_k and num_experts are multiples of 4 entries.
 constexpr int64_t kNcclEpExpertMultiple = 4;
+
+// The least capacity the nccl_ep backend takes, and the send budget it gives NCCL
+// EP: max_tokens_per_rank rounded up to a multiple of kNcclEpExpertMultiple, so
+// that max_tokens * top_k is a multiple of 4 entries for every top_k (NCCL EP's
+// receive budget may not be below its send budget). A rank still passes at most
+// max_tokens_per_rank tokens; the extra rows are never used. Python asks it
+// through te_ep._nccl_ep_capacity_floor.
+constexpr int64_t nccl_ep_capacity_floor(int64_t max_tokens_per_rank) {
+  return (max_tokens_per_rank + kNcclEpExpertMultiple - 1) / kNcclEpExpertMultiple * kNcclEpExpertMultiple;
+}
 
 // FP8 dispatch: one float32 scale per this many values of a row.
 constexpr int64_t kFp8Block = 128;

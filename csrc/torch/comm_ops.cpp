@@ -200,6 +200,24 @@ void check_common(ArgCheck& check, HandleEntry& h, const at::Tensor& handle_mem,
       dtype_name(h.handle_mem_dtype), "), got ", handle_mem.numel(), " x ", dtype_name(handle_mem.scalar_type()));
 }
 
+// What every communication op starts with: the handle it runs on (resolve_id,
+// lookup), its config, and the argument check with the checks every op shares.
+struct OpStart {
+  int64_t id;
+  std::shared_ptr<HandleEntry> h;
+  const HandleConfig& cfg;
+  ArgCheck check;
+};
+
+OpStart start_op(const char* op, int64_t handle_id, const c10::optional<at::Tensor>& handle_key,
+                 const at::Tensor& handle_mem, c10::string_view group_name) {
+  const int64_t id = resolve_id(op, handle_id, handle_key);
+  auto h = lookup(op, id);
+  OpStart start{id, h, h->cfg, ArgCheck(op, h->cfg)};
+  check_common(start.check, *h, handle_mem, group_name);
+  return start;
+}
+
 void check_prepared(ArgCheck& check, HandleEntry& h, const at::Tensor& handle_mem, const at::Tensor& t,
                     const char* name) {
   const int64_t prepared = h.backend->prepared_num_tokens(handle_mem);
@@ -260,58 +278,55 @@ at::Tensor zero_weights(const HandleConfig& cfg, int64_t rows) {
   return at::zeros({std::max<int64_t>(rows, 0)}, at::TensorOptions().dtype(at::kFloat).device(cfg.device));
 }
 
-std::tuple<int64_t, at::Tensor> create_handle(
+// A handle's configuration from create_handle's arguments, and the first rule
+// they break ("" if none). The one owner of these rules: create_handle throws
+// the error, and EpGroup.create_handle asks for it (_handle_config_error)
+// before its ranks agree, so every rank raises it as a ValueError.
+std::pair<HandleConfig, std::string> handle_config(
     c10::string_view group_name, c10::string_view backend, int64_t num_experts, int64_t max_tokens_per_rank,
     int64_t top_k, int64_t hidden, int64_t capacity, int64_t alignment, at::ScalarType dtype, at::Device device,
     c10::string_view nccl_ep_mode, std::optional<at::ScalarType> dispatch_dtype, int64_t timeout_ms,
     c10::string_view checks) {
   HandleConfig cfg;
-  cfg.checks = parse_checks(to_string(checks));
+  std::ostringstream error;
+  auto rule = [&](bool holds, const auto&... parts) {
+    if (!holds && error.tellp() == 0) (error << "te_ep.create_handle: " << ... << parts);
+  };
   cfg.group_name = to_string(group_name);
   cfg.backend = to_string(backend);
   cfg.nccl_ep_mode = to_string(nccl_ep_mode);
-  TORCH_CHECK(
-      cfg.backend == "reference" || cfg.backend == "nccl_ep",
-      "te_ep.create_handle: backend must be 'reference' or 'nccl_ep', got '", cfg.backend, "'");
-  TORCH_CHECK(
-      cfg.nccl_ep_mode == "auto" || cfg.nccl_ep_mode == "zero_copy" || cfg.nccl_ep_mode == "staged",
-      "te_ep.create_handle: nccl_ep_mode must be 'auto', 'zero_copy' or 'staged', got '", cfg.nccl_ep_mode, "'");
+  const std::string checks_arg = to_string(checks);
+  rule(cfg.backend == "reference" || cfg.backend == "nccl_ep", "backend must be 'reference' or 'nccl_ep', got '",
+       cfg.backend, "'");
+  rule(cfg.nccl_ep_mode == "auto" || cfg.nccl_ep_mode == "zero_copy" || cfg.nccl_ep_mode == "staged",
+       "nccl_ep_mode must be 'auto', 'zero_copy' or 'staged', got '", cfg.nccl_ep_mode, "'");
+  const std::optional<Checks> parsed = parse_checks(checks_arg);
+  rule(parsed.has_value(), "checks must be 'local', 'device' or 'synchronous', got '", checks_arg, "'");
+  cfg.checks = parsed.value_or(Checks::kLocal);
   auto pg = c10d::resolve_process_group(cfg.group_name);
   cfg.ep_size = pg->getSize();
   cfg.rank = pg->getRank();
-  TORCH_CHECK(num_experts > 0, "te_ep.create_handle: num_experts must be positive, got ", num_experts);
-  TORCH_CHECK(
-      num_experts % cfg.ep_size == 0, "te_ep.create_handle: num_experts (", num_experts,
-      ") must be divisible by the EP size (", cfg.ep_size, ")");
-  TORCH_CHECK(
-      max_tokens_per_rank > 0, "te_ep.create_handle: max_tokens_per_rank must be positive, got ", max_tokens_per_rank);
-  TORCH_CHECK(top_k > 0, "te_ep.create_handle: top_k must be positive, got ", top_k);
-  TORCH_CHECK(
-      top_k <= num_experts, "te_ep.create_handle: top_k (", top_k, ") must not exceed num_experts (", num_experts,
-      ")");
-  TORCH_CHECK(hidden > 0, "te_ep.create_handle: hidden must be positive, got ", hidden);
-  TORCH_CHECK(
-      common::is_power_of_two(alignment), "te_ep.create_handle: alignment must be a power of two, got ", alignment);
-  TORCH_CHECK(capacity > 0, "te_ep.create_handle: capacity must be positive, got ", capacity);
-  TORCH_CHECK(
-      dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat,
-      "te_ep.create_handle: dtype must be torch.bfloat16, torch.float16 or torch.float32, got ", dtype_name(dtype));
-  TORCH_CHECK(
-      device.is_cpu() || device.is_cuda(), "te_ep.create_handle: device must be cpu or cuda, got ", device);
-  if (device.is_cuda()) {
-    TORCH_CHECK(
-        device.has_index(), "te_ep.create_handle: device must name a CUDA device index (e.g. cuda:0), got ", device);
-  }
+  rule(num_experts > 0, "num_experts must be positive, got ", num_experts);
+  rule(num_experts % cfg.ep_size == 0, "num_experts (", num_experts, ") must be divisible by the EP size (",
+       cfg.ep_size, ")");
+  rule(max_tokens_per_rank > 0, "max_tokens_per_rank must be positive, got ", max_tokens_per_rank);
+  rule(top_k > 0, "top_k must be positive, got ", top_k);
+  rule(top_k <= num_experts, "top_k (", top_k, ") must not exceed num_experts (", num_experts, ")");
+  rule(hidden > 0, "hidden must be positive, got ", hidden);
+  rule(common::is_power_of_two(alignment), "alignment must be a power of two, got ", alignment);
+  rule(capacity > 0, "capacity must be positive, got ", capacity);
+  rule(dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat,
+       "dtype must be torch.bfloat16, torch.float16 or torch.float32, got ", dtype_name(dtype));
+  rule(device.is_cpu() || device.is_cuda(), "device must be cpu or cuda, got ", device);
+  rule(!device.is_cuda() || device.has_index(), "device must name a CUDA device index (e.g. cuda:0), got ", device);
   if (dispatch_dtype.has_value()) {
-    TORCH_CHECK(*dispatch_dtype == at::kFloat8_e4m3fn,
-                "te_ep.create_handle: dispatch_dtype must be None or torch.float8_e4m3fn, got ",
-                dtype_name(*dispatch_dtype));
-    TORCH_CHECK(hidden % kFp8Block == 0, "te_ep.create_handle: FP8 dispatch scales blocks of ", kFp8Block,
-                " values, so hidden must be a multiple of ", kFp8Block, ", got hidden=", hidden);
+    rule(*dispatch_dtype == at::kFloat8_e4m3fn, "dispatch_dtype must be None or torch.float8_e4m3fn, got ",
+         dtype_name(*dispatch_dtype));
+    rule(hidden % kFp8Block == 0, "FP8 dispatch scales blocks of ", kFp8Block,
+         " values, so hidden must be a multiple of ", kFp8Block, ", got hidden=", hidden);
   }
+  rule(timeout_ms >= 0, "timeout_ms must be >= 0 (0: NCCL EP's default), got ", timeout_ms);
   cfg.dispatch_dtype = dispatch_dtype;
-  TORCH_CHECK(timeout_ms >= 0, "te_ep.create_handle: timeout_ms must be >= 0 (0: NCCL EP's default), got ",
-              timeout_ms);
   cfg.timeout_ms = timeout_ms;
   cfg.num_experts = num_experts;
   cfg.max_tokens_per_rank = max_tokens_per_rank;
@@ -321,6 +336,27 @@ std::tuple<int64_t, at::Tensor> create_handle(
   cfg.alignment = alignment;
   cfg.dtype = dtype;
   cfg.device = device;
+  return {cfg, error.str()};
+}
+
+std::string handle_config_error(
+    c10::string_view group_name, c10::string_view backend, int64_t num_experts, int64_t max_tokens_per_rank,
+    int64_t top_k, int64_t hidden, int64_t capacity, int64_t alignment, at::ScalarType dtype, at::Device device,
+    c10::string_view nccl_ep_mode, std::optional<at::ScalarType> dispatch_dtype, int64_t timeout_ms,
+    c10::string_view checks) {
+  return handle_config(group_name, backend, num_experts, max_tokens_per_rank, top_k, hidden, capacity, alignment,
+                       dtype, device, nccl_ep_mode, dispatch_dtype, timeout_ms, checks)
+      .second;
+}
+
+std::tuple<int64_t, at::Tensor> create_handle(
+    c10::string_view group_name, c10::string_view backend, int64_t num_experts, int64_t max_tokens_per_rank,
+    int64_t top_k, int64_t hidden, int64_t capacity, int64_t alignment, at::ScalarType dtype, at::Device device,
+    c10::string_view nccl_ep_mode, std::optional<at::ScalarType> dispatch_dtype, int64_t timeout_ms,
+    c10::string_view checks) {
+  auto [cfg, error] = handle_config(group_name, backend, num_experts, max_tokens_per_rank, top_k, hidden, capacity,
+                                    alignment, dtype, device, nccl_ep_mode, dispatch_dtype, timeout_ms, checks);
+  TORCH_CHECK(error.empty(), error);
 
   {
     std::lock_guard<std::mutex> lock(g_mutex);
@@ -398,11 +434,7 @@ std::tuple<at::Tensor, at::Tensor> prepare(
     const at::Tensor& topk_idx, at::Tensor& handle_mem, c10::string_view group_name, int64_t handle_id,
     int64_t num_local_experts,
     const c10::optional<at::Tensor>& handle_key) {
-  handle_id = resolve_id("prepare", handle_id, handle_key);
-  auto h = lookup("prepare", handle_id);
-  const HandleConfig& cfg = h->cfg;
-  ArgCheck check("prepare", cfg);
-  check_common(check, *h, handle_mem, group_name);
+  auto [id, h, cfg, check] = start_op("prepare", handle_id, handle_key, handle_mem, group_name);
   check.require(
       num_local_experts == cfg.num_local_experts(), "num_local_experts must be ", cfg.num_local_experts(),
       " (num_experts / EP size), got ", num_local_experts);
@@ -420,7 +452,7 @@ std::tuple<at::Tensor, at::Tensor> prepare(
     if (!error.empty()) error = "te_ep.prepare: " + error;
   }
   return run_op(
-      *h, handle_id, "prepare", error, [&] { return h->backend->prepare(topk_idx, handle_mem); },
+      *h, id, "prepare", error, [&] { return h->backend->prepare(topk_idx, handle_mem); },
       [&] {
         // This rank's step moves nothing and fails on every rank (the device checks).
         const at::Tensor no_tokens = at::empty({0, cfg.top_k}, at::TensorOptions().dtype(at::kLong).device(cfg.device));
@@ -432,11 +464,7 @@ std::tuple<at::Tensor, at::Tensor> dispatch(
     const at::Tensor& tokens, const at::Tensor& topk_weights, const at::Tensor& handle_mem,
     c10::string_view group_name, int64_t handle_id, int64_t capacity,
     const c10::optional<at::Tensor>& handle_key) {
-  handle_id = resolve_id("dispatch", handle_id, handle_key);
-  auto h = lookup("dispatch", handle_id);
-  const HandleConfig& cfg = h->cfg;
-  ArgCheck check("dispatch", cfg);
-  check_common(check, *h, handle_mem, group_name);
+  auto [id, h, cfg, check] = start_op("dispatch", handle_id, handle_key, handle_mem, group_name);
   check.require(capacity == cfg.capacity, "capacity must be ", cfg.capacity, " (the handle's), got ", capacity);
   check_token_rows(check, *h, handle_mem, tokens, "tokens");
   check.tensor(topk_weights, "topk_weights", 2, "[num_tokens, top_k]");
@@ -444,7 +472,7 @@ std::tuple<at::Tensor, at::Tensor> dispatch(
   check.size(topk_weights, "topk_weights", 0, check.ok() ? tokens.size(0) : 0, "num_tokens");
   check.size(topk_weights, "topk_weights", 1, cfg.top_k, "the handle's top_k");
   return run_op(
-      *h, handle_id, "dispatch", check.error(),
+      *h, id, "dispatch", check.error(),
       [&] { return h->backend->dispatch(tokens, topk_weights, handle_mem); },
       [&] {
         const int64_t rows = prepared_rows(*h, handle_mem);
@@ -458,11 +486,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_fp8(
     const at::Tensor& values, const at::Tensor& scales, const at::Tensor& topk_weights, const at::Tensor& handle_mem,
     c10::string_view group_name, int64_t handle_id, int64_t capacity,
     const c10::optional<at::Tensor>& handle_key) {
-  handle_id = resolve_id("dispatch_fp8", handle_id, handle_key);
-  auto h = lookup("dispatch_fp8", handle_id);
-  const HandleConfig& cfg = h->cfg;
-  ArgCheck check("dispatch_fp8", cfg);
-  check_common(check, *h, handle_mem, group_name);
+  auto [id, h, cfg, check] = start_op("dispatch_fp8", handle_id, handle_key, handle_mem, group_name);
   check.require(cfg.dispatch_dtype == at::kFloat8_e4m3fn, "the handle was created without FP8 dispatch; create it "
                 "with dispatch_dtype=torch.float8_e4m3fn");
   check.require(capacity == cfg.capacity, "capacity must be ", cfg.capacity, " (the handle's), got ", capacity);
@@ -480,7 +504,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_fp8(
   check.size(topk_weights, "topk_weights", 0, num_tokens, "num_tokens");
   check.size(topk_weights, "topk_weights", 1, cfg.top_k, "the handle's top_k");
   return run_op(
-      *h, handle_id, "dispatch_fp8", check.error(),
+      *h, id, "dispatch_fp8", check.error(),
       [&] { return h->backend->dispatch_fp8(values, scales, topk_weights, handle_mem); },
       [&] {
         // A handle without FP8 dispatch (the same on every rank: create_handle
@@ -504,15 +528,11 @@ at::Tensor combine(
     const at::Tensor& expert_out, const at::Tensor& handle_mem, c10::string_view group_name, int64_t handle_id,
     int64_t num_tokens,
     const c10::optional<at::Tensor>& handle_key) {
-  handle_id = resolve_id("combine", handle_id, handle_key);
-  auto h = lookup("combine", handle_id);
-  const HandleConfig& cfg = h->cfg;
-  ArgCheck check("combine", cfg);
-  check_common(check, *h, handle_mem, group_name);
+  auto [id, h, cfg, check] = start_op("combine", handle_id, handle_key, handle_mem, group_name);
   check_recv_rows(check, cfg, expert_out, "expert_out");
   check_num_tokens(check, *h, handle_mem, num_tokens);
   return run_op(
-      *h, handle_id, "combine", check.error(),
+      *h, id, "combine", check.error(),
       [&] { return h->backend->combine(expert_out, handle_mem, num_tokens); },
       [&] {
         h->backend->combine(zero_rows(cfg, cfg.capacity, cfg.hidden, cfg.dtype), handle_mem,
@@ -525,11 +545,7 @@ std::tuple<at::Tensor, at::Tensor> dispatch_bwd(
     const at::Tensor& grad_recv_tokens, const at::Tensor& grad_recv_weights, const at::Tensor& handle_mem,
     c10::string_view group_name, int64_t handle_id, int64_t num_tokens, int64_t top_k,
     const c10::optional<at::Tensor>& handle_key) {
-  handle_id = resolve_id("dispatch_bwd", handle_id, handle_key);
-  auto h = lookup("dispatch_bwd", handle_id);
-  const HandleConfig& cfg = h->cfg;
-  ArgCheck check("dispatch_bwd", cfg);
-  check_common(check, *h, handle_mem, group_name);
+  auto [id, h, cfg, check] = start_op("dispatch_bwd", handle_id, handle_key, handle_mem, group_name);
   check.require(top_k == cfg.top_k, "top_k must be ", cfg.top_k, " (the handle's), got ", top_k);
   check_recv_rows(check, cfg, grad_recv_tokens, "grad_recv_tokens");
   check.tensor(grad_recv_weights, "grad_recv_weights", 1, "[capacity]");
@@ -537,7 +553,7 @@ std::tuple<at::Tensor, at::Tensor> dispatch_bwd(
   check.size(grad_recv_weights, "grad_recv_weights", 0, cfg.capacity, "the handle's capacity");
   check_num_tokens(check, *h, handle_mem, num_tokens);
   return run_op(
-      *h, handle_id, "dispatch_bwd", check.error(),
+      *h, id, "dispatch_bwd", check.error(),
       [&] { return h->backend->dispatch_bwd(grad_recv_tokens, grad_recv_weights, handle_mem, num_tokens); },
       [&] {
         h->backend->dispatch_bwd(zero_rows(cfg, cfg.capacity, cfg.hidden, cfg.dtype), zero_weights(cfg, cfg.capacity),
@@ -553,15 +569,11 @@ at::Tensor combine_bwd(
     const at::Tensor& grad_out, const at::Tensor& handle_mem, c10::string_view group_name, int64_t handle_id,
     int64_t capacity,
     const c10::optional<at::Tensor>& handle_key) {
-  handle_id = resolve_id("combine_bwd", handle_id, handle_key);
-  auto h = lookup("combine_bwd", handle_id);
-  const HandleConfig& cfg = h->cfg;
-  ArgCheck check("combine_bwd", cfg);
-  check_common(check, *h, handle_mem, group_name);
+  auto [id, h, cfg, check] = start_op("combine_bwd", handle_id, handle_key, handle_mem, group_name);
   check.require(capacity == cfg.capacity, "capacity must be ", cfg.capacity, " (the handle's), got ", capacity);
   check_token_rows(check, *h, handle_mem, grad_out, "grad_out");
   return run_op(
-      *h, handle_id, "combine_bwd", check.error(), [&] { return h->backend->combine_bwd(grad_out, handle_mem); },
+      *h, id, "combine_bwd", check.error(), [&] { return h->backend->combine_bwd(grad_out, handle_mem); },
       [&] {
         h->backend->combine_bwd(zero_rows(cfg, prepared_rows(*h, handle_mem), cfg.hidden, cfg.dtype), handle_mem);
         return zero_rows_like(cfg, grad_out, capacity);
@@ -572,6 +584,7 @@ at::Tensor combine_bwd(
 
 TORCH_LIBRARY_IMPL(te_ep, CompositeExplicitAutograd, m) {
   m.impl("create_handle", &create_handle);
+  m.impl("_handle_config_error", &handle_config_error);
   m.impl("destroy_handle", &destroy_handle);
   m.impl("live_handles", &live_handles);
   m.impl("handle_info", &handle_info);

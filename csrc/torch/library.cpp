@@ -13,6 +13,12 @@ TORCH_LIBRARY(te_ep, m) {
       "int top_k, int hidden, int capacity, int alignment, ScalarType dtype, Device device, "
       "str nccl_ep_mode=\"staged\", ScalarType? dispatch_dtype=None, int timeout_ms=0, "
       "str checks=\"local\") -> (int, Tensor)");
+  // The first rule create_handle's arguments break ("" if none), without creating anything.
+  m.def(
+      "_handle_config_error(str group_name, str backend, int num_experts, int max_tokens_per_rank, "
+      "int top_k, int hidden, int capacity, int alignment, ScalarType dtype, Device device, "
+      "str nccl_ep_mode=\"staged\", ScalarType? dispatch_dtype=None, int timeout_ms=0, "
+      "str checks=\"local\") -> str");
   m.def("destroy_handle(int handle_id) -> ()");
   m.def("live_handles() -> int[]");
   // How a handle moves tokens ("reference", "staged", "zero_copy"), why, and
@@ -107,6 +113,8 @@ TORCH_LIBRARY(te_ep, m) {
   m.def("_nccl_ep_release_group(str group_name) -> ()");
   // num_experts must be a multiple of this on nccl_ep.
   m.def("_nccl_ep_expert_multiple() -> int");
+  // The least capacity nccl_ep takes for a max_tokens_per_rank (backend.h).
+  m.def("_nccl_ep_capacity_floor(int max_tokens_per_rank) -> int");
   // The watchdog of the nccl_ep ops (csrc/common/watchdog.h): its action
   // (TE_EP_WATCHDOG: "exit", "warn", "off"; "unavailable" in builds without
   // CUDA), markers pending now and how often it fired in this process.

@@ -52,13 +52,6 @@ constexpr int64_t kRowAlignmentBytes = 16;
 // process-group timeout (10 minutes).
 constexpr int64_t kDefaultWatchdogMs = 10 * 60 * 1000;
 
-// The send budget we give NCCL EP: max_tokens_per_rank rounded up so that
-// max_tokens_per_rank * top_k is a multiple of 4 for every top_k. A rank still passes
-// at most max_tokens_per_rank tokens; the extra rows are never used.
-int64_t nccl_ep_send_budget(int64_t max_tokens_per_rank) {
-  return (max_tokens_per_rank + kNcclEpExpertMultiple - 1) / kNcclEpExpertMultiple * kNcclEpExpertMultiple;
-}
-
 DType to_dtype(at::ScalarType type) {
   const std::optional<DType> dtype = dtype_of(type);
   TORCH_CHECK(dtype.has_value(), "te_ep nccl_ep backend: unsupported dtype ", type);
@@ -677,8 +670,8 @@ std::unique_ptr<Backend> make_nccl_ep_backend(const HandleConfig& cfg) {
               "dispatch on backend 'nccl_ep' moves rows of hidden / ", kFp8Block, " float32 scales in 16-byte units, "
               "so hidden must be a multiple of ", kFp8Block * 4, ", got hidden=", cfg.hidden,
               "; use backend='reference' or a bfloat16 dispatch for this layer");
-  // NCCL EP's send budget per rank, rounded up (see nccl_ep_send_budget).
-  const int64_t send_budget = nccl_ep_send_budget(cfg.max_tokens_per_rank);
+  // NCCL EP's send budget per rank (see nccl_ep_capacity_floor).
+  const int64_t send_budget = nccl_ep_capacity_floor(cfg.max_tokens_per_rank);
   TORCH_CHECK(cfg.capacity >= send_budget, "te_ep.create_handle: backend 'nccl_ep' needs capacity >= "
               "max_tokens_per_rank rounded up to a multiple of ", kNcclEpExpertMultiple, " (NCCL EP's receive budget "
               "may not be smaller than its send budget), got capacity=", cfg.capacity, " and max_tokens_per_rank=",

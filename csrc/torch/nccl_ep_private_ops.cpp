@@ -52,6 +52,11 @@ TORCH_LIBRARY_IMPL(te_ep, CompositeExplicitAutograd, m) {
     release_nccl_ep_group(std::string(group_name.data(), group_name.size()));
   });
   m.impl("_nccl_ep_expert_multiple", []() { return kNcclEpExpertMultiple; });
+  m.impl("_nccl_ep_capacity_floor", [](int64_t max_tokens_per_rank) {
+    TORCH_CHECK(max_tokens_per_rank > 0, "te_ep._nccl_ep_capacity_floor: max_tokens_per_rank must be positive, got ",
+                max_tokens_per_rank);
+    return nccl_ep_capacity_floor(max_tokens_per_rank);
+  });
   m.impl("_watchdog_state", []() -> std::tuple<std::string, int64_t, int64_t> {
 #if TE_EP_WITH_CUDA
     std::string action;

@@ -30,7 +30,6 @@ Nothing else in te_ep_torch imports this module or TorchTitan.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple, Union
 
@@ -51,7 +50,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torchtit
     ) from exc
 
 from ..autograd import ep_combine, ep_dispatch, ep_dispatch_fp8
-from ..group import BACKENDS, CHECKS, NCCL_EP_MODES, EpHandle, nccl_ep_capacity_floor
+from ..group import BACKENDS, CHECKS, NCCL_EP_MODES, EpHandle
 from ..moe import GROUPED_MM_ALIGNMENT
 from ..ops import FP8_BLOCK
 from ..parallel import ep_group_for
@@ -199,11 +198,7 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
         )
         capacity = None
         if self.capacity_factor is not None:
-            per_rank = min(self.top_k, group.num_local_experts)
-            rows = math.ceil(self.capacity_factor * group.ep_size * max_tokens * per_rank)
-            rows += group.num_local_experts * (self.alignment - 1)
-            capacity = min(max(rows, nccl_ep_capacity_floor(max_tokens)),
-                           group.worst_case_capacity(self.top_k, self.alignment))
+            capacity = group.capacity_for_factor(self.top_k, self.alignment, self.capacity_factor)
         handle = group.create_handle(
             top_k=self.top_k, hidden=hidden, dtype=dtype, alignment=self.alignment, capacity=capacity,
             dispatch_dtype=torch.float8_e4m3fn if self.fp8_dispatch else None,

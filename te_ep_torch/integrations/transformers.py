@@ -34,7 +34,6 @@ Nothing else in te_ep_torch imports this module or transformers.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -60,7 +59,7 @@ except ImportError as exc:  # pragma: no cover - exercised only with another tra
     ) from exc
 
 from ..autograd import ep_combine, ep_dispatch
-from ..group import BACKENDS, CHECKS, NCCL_EP_MODES, EpGroup, EpHandle, nccl_ep_capacity_floor
+from ..group import BACKENDS, CHECKS, NCCL_EP_MODES, EpGroup, EpHandle
 from ..moe import GROUPED_MM_ALIGNMENT, _WeightedIntoBuffer, grouped_mm_supported
 from ..parallel import _flat_dp_mesh, ep_group_for
 
@@ -122,12 +121,7 @@ class TeEpExpertsState:
             alignment = GROUPED_MM_ALIGNMENT if impl == "grouped_mm" else 1
         capacity = None
         if self.capacity_factor is not None:
-            group, max_tokens = self.group, self.group.max_tokens_per_rank
-            per_token = min(self.top_k, group.num_local_experts)
-            rows = math.ceil(self.capacity_factor * group.ep_size * max_tokens * per_token)
-            rows += group.num_local_experts * (alignment - 1)
-            capacity = min(max(rows, nccl_ep_capacity_floor(max_tokens)),
-                           group.worst_case_capacity(self.top_k, alignment))
+            capacity = self.group.capacity_for_factor(self.top_k, alignment, self.capacity_factor)
         handle = self.group.create_handle(top_k=self.top_k, hidden=self.hidden, dtype=dtype, alignment=alignment,
                                           capacity=capacity)
         self.handles[dtype] = handle
