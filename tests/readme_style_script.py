@@ -34,11 +34,12 @@ y = torch._grouped_mm(out.tokens, w, offs=out.expert_counts.cumsum(0, dtype=torc
 y = te.ep_combine(handle, y * out.weights[:, None], T)
 (y.square().mean() + routing.aux_loss).backward()
 
-# What a script does to print a result: a collective on tensors it made itself.
 check = torch.stack([y.detach().abs().sum(), x.grad.abs().sum(), w.grad.abs().sum()])
+print(f"rank {rank}: {check.tolist()}", flush=True)
+# The last collective is one of the script's own, on tensors it made (a Python tensor
+# finished by a gloo worker thread), with nothing after it that waits: the case that aborted.
 dist.all_reduce(check)
 assert bool(torch.isfinite(check).all()) and bool((check > 0).all()), check
-print(f"rank {rank}: ok {check.tolist()}", flush=True)
 
 pg = weakref.ref(dist.group.WORLD)
 if not keep_alive:
