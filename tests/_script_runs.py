@@ -70,6 +70,7 @@ def main() -> int:
     cut = argv.index("--") if "--" in argv else len(argv)
     args, script_args = p.parse_args(argv[:cut]), argv[cut + 1:]
     logs = args.logs or __import__("tempfile").mkdtemp(prefix="te_ep_script_runs_")
+    os.makedirs(logs, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     import torch  # noqa: F401  (imported once here, inherited by every fork)

@@ -29,7 +29,7 @@ SCRIPT = REPO / "tests" / "readme_style_script.py"
 
 
 def run_script(script: Path, runs: int, world: int = 2, parallel: int = 1, switch_interval=None, args=(),
-               timeout: float = 300.0) -> dict:
+               timeout: float = 300.0, logs=None) -> dict:
     """Runs ``script`` ``runs`` times at ``world`` ranks (tests/_script_runs.py); its summary."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
@@ -38,6 +38,8 @@ def run_script(script: Path, runs: int, world: int = 2, parallel: int = 1, switc
            "--world", str(world), "--parallel", str(parallel)]
     if switch_interval:
         cmd += ["--switch-interval", str(switch_interval)]
+    if logs:
+        cmd += ["--logs", str(logs)]
     cmd += ["--", *args]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"tests/_script_runs.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

@@ -4,8 +4,8 @@ Each submodule imports its framework; this package imports none of them, so
 ``import te_ep_torch`` never needs a framework installed.
 
 * :mod:`te_ep_torch.integrations.torchtitan`: a TorchTitan MoE token dispatcher on the
-  ``te_ep`` ops (docs/torchtitan.md). Needs ``torchtitan`` (``pip install
-  'te_ep_torch[torchtitan]'``).
+  ``te_ep`` ops (docs/torchtitan.md). Needs ``torchtitan`` 0.3.0 (docs/torchtitan.md says
+  how to install it without another torch).
 """
 
 __all__: list = []
