@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node=2 examples/moe_train.py                 # CPU: gloo, reference backend
     torchrun --nproc-per-node=4 examples/moe_train.py --ep 2          # EP 2 x FSDP dp 2
+    torchrun --nproc-per-node=2 examples/moe_train.py --ep 1 --load DIR   # resume on another layout
     torchrun --nproc-per-node=$(nvidia-smi -L | wc -l) examples/moe_train.py   # GPUs: NCCL, nccl_ep
     torchrun --nproc-per-node=4 examples/moe_train.py --check         # compare with one process
 
@@ -16,8 +17,10 @@ experts per rank and dispatches tokens over its EP group (te_ep_torch.parallel.
 ExpertParallel); FSDP2 shards experts over dp and everything else over all ranks, with
 the gradient scaling of te_ep_torch.parallel.apply_fsdp. Every rank reads its own
 slice of one global batch. At the end the model and optimizer are saved with
-torch.distributed.checkpoint (``--ckpt-dir``); ``--load`` resumes from such a
-checkpoint, whatever (dp, ep) layout wrote it.
+torch.distributed.checkpoint (``--ckpt-dir``, by default a new directory per run) with the
+model's arguments next to it (``moe_train_args.json``); ``--load`` resumes from such a
+checkpoint, whatever (dp, ep) layout wrote it, with the model arguments it was written
+with (a different value given on the command line is an error).
 
 ``--check`` first runs one forward/backward of the distributed model and of an
 unsharded copy on one process (no parallelism: local permutation, no FSDP) on the same
@@ -31,11 +34,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import logging
+import json
 import math
 import os
 import sys
+import tempfile
 import time
+import warnings
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -129,12 +135,16 @@ def loss_fn(model: MoETransformer, inputs: torch.Tensor, targets: torch.Tensor):
 
 
 class Progress:
-    """tqdm where it is installed, else a one-line text bar; silent off rank 0."""
+    """A progress bar on a terminal (tqdm where installed, else a one-line text bar); where
+    stdout is not a terminal (a log file, a pipe), only the periodic ``write`` lines. Silent
+    off rank 0."""
 
     def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled, self.n, self.postfix = total, enabled, 0, ""
+        self.total, self.n = total, 0
+        self.enabled = enabled
+        self.interactive = enabled and sys.stdout.isatty()
         self.bar = None
-        if enabled:
+        if self.interactive:
             try:
                 from tqdm import tqdm
 
@@ -144,7 +154,7 @@ class Progress:
 
     def update(self, loss: float) -> None:
         self.n += 1
-        if not self.enabled:
+        if not self.interactive:
             return
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.4f}")
@@ -162,7 +172,8 @@ class Progress:
         if self.bar is not None:
             self.bar.write(line)
         else:
-            print(("\n" if 0 < self.n < self.total else "") + line, flush=True)
+            # A text bar in progress ends its line first.
+            print(("\n" if self.interactive and 0 < self.n < self.total else "") + line, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -204,6 +215,68 @@ def check_against_single_process(model, reference, args, rank, world, device, dt
     return bad.item() == 0
 
 
+DEFAULT_EXPERTS = 8
+# What shapes the model's state: a checkpoint loads only into a model built with the same values.
+MODEL_ARGS = ("vocab", "hidden", "ffn", "heads", "layers", "seq_len", "num_experts", "top_k", "score_func",
+              "expert_bias", "shared_expert_ffn")
+MODEL_ARGS_FILE = "moe_train_args.json"
+
+
+def resolve_layout(args: argparse.Namespace, world: int) -> None:
+    """Fills in ``args.dp`` / ``args.ep`` (dp x ep = world), or exits naming what does not fit."""
+    for flag, value in (("--ep", args.ep), ("--dp", args.dp)):
+        if value is not None and (value < 1 or world % value):
+            raise SystemExit(f"{flag} ({value}) must divide the number of ranks ({world})")
+    if args.ep is None:
+        args.ep = world // args.dp if args.dp is not None else world
+    if args.dp is None:
+        args.dp = world // args.ep
+    if args.dp * args.ep != world:
+        raise SystemExit(f"--dp ({args.dp}) x --ep ({args.ep}) must equal the number of ranks ({world})")
+
+
+def read_model_args(path: str) -> Optional[dict]:
+    """The model arguments saved with the checkpoint at ``path`` (None for one without them)."""
+    try:
+        with open(os.path.join(path, MODEL_ARGS_FILE)) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def write_model_args(path: str, args: argparse.Namespace) -> None:
+    with open(os.path.join(path, MODEL_ARGS_FILE), "w") as f:
+        json.dump({name: getattr(args, name) for name in MODEL_ARGS}, f, indent=1)
+
+
+def resolve_model_args(args: argparse.Namespace, saved: Optional[dict]) -> None:
+    """The expert count (the checkpoint's, or the default), and a clear exit when the
+    command line asks for another model than the checkpoint holds. The default does not
+    depend on --ep, so a checkpoint loads into any layout."""
+    if args.num_experts is None:
+        if saved is not None:
+            args.num_experts = saved["num_experts"]
+        else:
+            multiple = math.lcm(args.ep, te.group.NCCL_EP_EXPERT_MULTIPLE)
+            args.num_experts = -(-DEFAULT_EXPERTS // multiple) * multiple
+    if saved is not None:
+        differ = [f"--{name.replace('_', '-')} {saved[name]} (checkpoint) vs {getattr(args, name)} (this run)"
+                  for name in MODEL_ARGS if name in saved and saved[name] != getattr(args, name)]
+        if differ:
+            raise SystemExit(f"--load {args.load}: the checkpoint holds another model: " + "; ".join(differ))
+    if args.num_experts % args.ep:
+        raise SystemExit(f"--num-experts ({args.num_experts}) must be divisible by --ep ({args.ep})")
+
+
+def checkpoint_dir(args: argparse.Namespace, rank: int) -> str:
+    """``--ckpt-dir``, or a new directory per run (named by rank 0, so every rank writes to it)."""
+    if args.ckpt_dir:
+        return args.ckpt_dir
+    name = [tempfile.mkdtemp(prefix=f"te_ep_moe_train_{time.strftime('%Y%m%d-%H%M%S')}_") if rank == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    return name[0]
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=60)
@@ -214,7 +287,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ffn", type=int, default=128, help="inner width of each expert")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--num-experts", type=int, default=None, help="default: 4 per EP rank")
+    p.add_argument("--num-experts", type=int, default=None,
+                   help=f"default: {DEFAULT_EXPERTS} (rounded up to a multiple of --ep and of "
+                        f"{te.group.NCCL_EP_EXPERT_MULTIPLE}, which nccl_ep needs); with --load, the checkpoint's")
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--score-func", default="softmax", choices=("softmax", "sigmoid"))
     p.add_argument("--expert-bias", action="store_true", help="aux-loss-free balancing bias, updated every step")
@@ -223,15 +298,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fp8-dispatch", action="store_true",
                    help="dispatch tokens to the experts as block-scaled FP8 (e4m3, a float32 scale per 128 values); "
                         "needs --hidden a multiple of 128 (512 on nccl_ep)")
-    p.add_argument("--ep", type=int, default=None, help="EP size (default: all ranks)")
-    p.add_argument("--dp", type=int, default=None, help="FSDP size sharding the experts (default: world / ep)")
+    p.add_argument("--ep", type=int, default=None, help="EP size (default: all ranks, or ranks / --dp)")
+    p.add_argument("--dp", type=int, default=None, help="FSDP size sharding the experts (default: ranks / --ep)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--backend", default="auto", choices=te.BACKENDS)
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="compute dtype (auto: bfloat16 on GPUs, float32 on CPU); parameters stay float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check", action="store_true", help="compare with a single-process run first (see above)")
-    p.add_argument("--ckpt-dir", default=None, help="where to save the final checkpoint (default: a temp dir)")
+    p.add_argument("--ckpt-dir", default=None,
+                   help="where to save the final checkpoint (default: a new directory under the temp dir)")
     p.add_argument("--no-save", action="store_true", help="skip the final checkpoint")
     p.add_argument("--load", default=None, help="checkpoint directory to resume from")
     args = p.parse_args()
@@ -255,13 +331,8 @@ def main() -> int:
         args.dtype, torch.bfloat16 if use_cuda else torch.float32
     )
 
-    args.ep = args.ep or world
-    args.dp = args.dp or world // args.ep
-    if args.dp * args.ep != world:
-        raise SystemExit(f"--dp ({args.dp}) x --ep ({args.ep}) must equal the number of ranks ({world})")
-    args.num_experts = args.num_experts or 4 * args.ep
-    if args.num_experts % args.ep:
-        raise SystemExit(f"--num-experts ({args.num_experts}) must be divisible by --ep ({args.ep})")
+    resolve_layout(args, world)
+    resolve_model_args(args, read_model_args(args.load) if args.load else None)
 
     torch.manual_seed(args.seed)  # same initial weights on every rank
     model = MoETransformer(args).to(device)
@@ -327,18 +398,24 @@ def main() -> int:
     elapsed = time.perf_counter() - start
 
     if not args.no_save:
-        import tempfile
-
-        path = args.ckpt_dir or os.path.join(tempfile.gettempdir(), "te_ep_moe_train_ckpt")
-        save_checkpoint(path, model, opt)
+        path = checkpoint_dir(args, rank)
+        if rank == 0 and os.path.exists(os.path.join(path, ".metadata")):
+            print(f"overwriting the checkpoint in {path}", flush=True)
+        with warnings.catch_warnings():
+            # Said once above, instead of by DCP once per rank.
+            warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
+            save_checkpoint(path, model, opt)
         if rank == 0:
+            write_model_args(path, args)
             print(f"saved checkpoint (torch.distributed.checkpoint) to {path}", flush=True)
 
     if rank == 0 and losses:
-        head, tail = losses[: min(5, len(losses))], losses[-min(5, len(losses)) :]
+        n = min(5, len(losses))
+        head, tail = sum(losses[:n]) / n, sum(losses[-n:]) / n
         print(
-            f"loss {sum(head) / len(head):.4f} -> {sum(tail) / len(tail):.4f} (ln(vocab) = {math.log(args.vocab):.4f}) "
-            f"in {elapsed:.1f}s, {args.steps * args.batch_size * args.seq_len / max(elapsed, 1e-9):.0f} tokens/s/rank",
+            f"loss: mean of the first {n} steps {head:.4f} -> mean of the last {n} steps {tail:.4f} "
+            f"(ln(vocab) = {math.log(args.vocab):.4f}) in {elapsed:.1f}s, "
+            f"{args.steps * args.batch_size * args.seq_len / max(elapsed, 1e-9):.0f} tokens/s/rank",
             flush=True,
         )
     went_down = len(losses) < 10 or sum(losses[-5:]) < sum(losses[:5])
@@ -357,15 +434,13 @@ def main() -> int:
 
 if __name__ == "__main__":
     code = main()
-    # Everything is shut down (EP groups, process groups) and written by now. Leave without
-    # Python's finalization: a gloo worker thread may still be releasing a finished
-    # collective's work, whose tensors need the GIL to be freed, and a thread that asks for the
-    # GIL while the interpreter finalizes aborts the process ("terminate called without an
-    # active exception", SIGABRT), which torchrun would report as a failed job. Seen about once
-    # in five 4-rank CPU runs with --fp8-dispatch (core dump: ProcessGroupGloo::runLoop ->
-    # ~AsyncBarrierWork -> ~AsyncAllreduceWork -> TensorImpl::decref_pyobject -> take_gil ->
-    # pthread_exit). An exception from main() still takes the normal path, with its traceback.
-    logging.shutdown()
+    # Everything is shut down and written by now. Leave without Python's finalization:
+    # torch's DTensor keeps the device meshes it has seen (and their process groups, and gloo's
+    # worker threads) alive after dist.destroy_process_group(), and a worker still releasing a
+    # finished collective's tensors, which needs the GIL, while the interpreter finalizes
+    # aborts the process ("terminate called without an active exception", SIGABRT). te_ep's own
+    # objects hold no process group; a script without DTensor (README's API example) exits
+    # normally. An exception from main() still takes the normal path, with its traceback.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -1,14 +1,31 @@
 #!/usr/bin/env bash
-# Sets up a fresh machine for te_ep_torch: installs what is missing (torch
-# from PyPI included) and builds the extension against that torch.
-#   TORCH_SPEC   pip requirement used when torch is missing (default torch==2.11.0)
-#   TE_EP_FORCE_CUDA=0|1  skip / force compiling the CUDA sources
+# Sets up a fresh machine for te_ep_torch: installs what is missing (torch from PyPI
+# included) and builds the extension in place against that torch. On a machine with an
+# NVIDIA GPU it also installs NCCL EP and builds the nccl_ep backend (the fast path).
+#   TORCH_SPEC   pip requirement used when torch is missing (default: torch==2.11.0 without a
+#                GPU; with one, a torch that pins NCCL 2.30.7, the NCCL that NCCL EP needs)
+#   TE_EP_FORCE_CUDA=0|1          skip / force compiling the CUDA sources
+#   TE_EP_NCCL_EP_HEADERS=1       without a GPU too, where the CUDA sources get compiled: install
+#                                 NCCL EP's headers (nccl-extensions --no-deps) and require the
+#                                 nccl_ep backend to compile (CI)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
+gpu=0
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+  gpu=1
+elif "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  gpu=1
+fi
+
 if ! "$PY" -c "import torch" 2>/dev/null; then
-  "$PY" -m pip install --quiet "${TORCH_SPEC:-torch==2.11.0}"
+  if ((gpu)); then
+    # torch 2.14 and 2.15 pin nvidia-nccl-cu13==2.30.7: NCCL EP's NCCL, no override needed.
+    "$PY" -m pip install --quiet "${TORCH_SPEC:-torch>=2.14,<2.16}"
+  else
+    "$PY" -m pip install --quiet "${TORCH_SPEC:-torch==2.11.0}"
+  fi
 fi
 missing=()
 for mod in pytest numpy expecttest ninja setuptools wheel; do
@@ -35,6 +52,26 @@ if ! "$PY" -c "import transformers.integrations.moe" 2>/dev/null; then
     'regex>=2025.10.22' 'pyyaml>=5.1' 'tqdm>=4.60' 'packaging>=20.0'
 fi
 
+# NCCL EP before the build: setup.py compiles the nccl_ep backend against its headers.
+if ((gpu)) && [ "${TE_EP_FORCE_CUDA:-}" != 0 ]; then
+  if "$PY" -c "import torch, sys; sys.exit(0 if tuple(map(int, torch.__version__.split('.')[:2])) >= (2, 14) else 1)"; then
+    # Its cu13 extra pins the NCCL this torch pins too: no second torch, no override.
+    "$PY" -m pip install --quiet 'nccl-extensions[cu13]'
+  else
+    echo "dev_setup: torch $("$PY" -c 'import torch; print(torch.__version__)') pins an NCCL older than NCCL EP needs;" \
+         "replacing it with nvidia-nccl-cu13==2.30.7 (pip warns about torch's pin; NCCL is backward compatible)."
+    "$PY" -m pip install --quiet nccl-extensions 'nvidia-nccl-cu13==2.30.7'
+  fi
+  export TE_EP_REQUIRE_NCCL_EP_BUILD=1
+elif [ "${TE_EP_NCCL_EP_HEADERS:-}" = 1 ] && [ "${TE_EP_FORCE_CUDA:-}" != 0 ] &&
+     "$PY" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" &&
+     { command -v nvcc >/dev/null 2>&1 || [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]; }; then
+  # Headers only (nccl.h comes with torch's nvidia-nccl-cu13): compiles the fast path.
+  "$PY" -c "import importlib.metadata as m; m.distribution('nccl-extensions')" 2>/dev/null ||
+    "$PY" -m pip install --quiet --no-deps nccl-extensions
+  export TE_EP_REQUIRE_NCCL_EP_BUILD=1
+fi
+
 # No build isolation: the extension must link against the torch installed above.
 "$PY" -m pip install --quiet --no-build-isolation --no-deps -e .
-"$PY" -c "import te_ep_torch, torch; print('te_ep_torch', te_ep_torch.__version__, 'on torch', torch.__version__)"
+"$PY" -m te_ep_torch

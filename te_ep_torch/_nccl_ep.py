@@ -1,8 +1,9 @@
 """Finds and loads NVIDIA NCCL EP for the ``nccl_ep`` backend.
 
-NCCL EP is an optional run-time dependency: ``pip install te_ep_torch[nccl-ep]``
-brings ``nccl-extensions`` (``libnccl_ep.so`` and the kernel sources it
-compiles on first use) and ``nvidia-nccl-cu13>=2.30.7``. Nothing here imports
+NCCL EP is an optional run-time dependency: ``nccl-extensions`` brings
+``libnccl_ep.so`` (NCCL EP 0.2.0) and the kernel sources it compiles on first use,
+and it needs ``nvidia-nccl-cu13>=2.30.7`` (:func:`install_command` says how for
+the torch at hand; README, "Install"). Nothing here imports
 those packages (``import nccl.ep`` pulls in cuda-python and more); the
 libraries are located on disk and opened by the extension with ``dlopen``.
 
@@ -25,12 +26,18 @@ from typing import Optional
 
 import torch
 
-__all__ = ["MIN_NCCL_VERSION", "availability", "expert_multiple", "is_available", "load", "release_group"]
+__all__ = [
+    "MIN_NCCL_VERSION", "REBUILD", "availability", "expert_multiple", "install_command", "is_available", "load",
+    "release_group",
+]
 
 #: Oldest NCCL runtime that the libnccl_ep of nccl-extensions 0.1.0 accepts.
 MIN_NCCL_VERSION = (2, 30, 7)
 _CUDA_MAJOR = 13
-_INSTALL = "pip install te_ep_torch[nccl-ep]"
+#: The first torch release whose NCCL pin (nvidia-nccl-cu13==2.30.7) is the one NCCL EP needs.
+FIRST_TORCH_WITH_NCCL_EP_NCCL = (2, 14)
+#: Rebuilds te_ep_torch from a checkout against what is installed (te_ep_torch is not on PyPI).
+REBUILD = "pip install --no-build-isolation --no-deps --force-reinstall .  (in the te_ep_torch checkout)"
 _description: Optional[str] = None
 
 
@@ -68,6 +75,19 @@ def nccl_library() -> Optional[str]:
     """
     relative = "nvidia/nccl/lib/libnccl.so.2"
     return _find_in_distribution(f"nvidia-nccl-cu{_CUDA_MAJOR}", relative) or _find_on_sys_path(relative)
+
+
+def install_command() -> str:
+    """The pip command that installs NCCL EP for the torch of this process.
+
+    torch >= 2.14 pins the NCCL that NCCL EP needs, so the ``cu13`` extra of nccl-extensions
+    adds nothing that conflicts. Older torch pins an older NCCL: the newer one must replace it
+    (pip then warns about torch's pin; NCCL is backward compatible).
+    """
+    release = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    if release >= FIRST_TORCH_WITH_NCCL_EP_NCCL:
+        return "pip install 'nccl-extensions[cu13]'"
+    return "pip install nccl-extensions 'nvidia-nccl-cu13==2.30.7'"
 
 
 def _format(version) -> str:
@@ -124,14 +144,13 @@ def availability() -> str:
         return f"NCCL EP needs a Hopper (sm_90) or newer GPU, this one is sm_{major}{minor}"
     if not _ops()._nccl_ep_built():
         return (
-            "te_ep_torch was built without NCCL EP; install the optional dependencies "
-            f"(`{_INSTALL}`) and rebuild (`pip install --no-build-isolation --force-reinstall --no-deps te_ep_torch`)"
+            f"te_ep_torch was built without NCCL EP; install it (`{install_command()}`) and rebuild (`{REBUILD}`)"
         )
     if nccl_ep_library() is None:
         where = os.environ.get("TE_EP_NCCL_EP_LIB")
         if where:
             return f"TE_EP_NCCL_EP_LIB={where} does not name a file"
-        return f"nccl-extensions (libnccl_ep.so for CUDA {_CUDA_MAJOR}) is not installed; `{_INSTALL}`"
+        return f"nccl-extensions (libnccl_ep.so for CUDA {_CUDA_MAJOR}) is not installed; `{install_command()}`"
     if _nvcc_cuda_home() is None and not os.environ.get("NCCL_EP_JIT_NVCC"):
         return (
             "nvcc was not found: NCCL EP compiles its kernels at run time and needs the CUDA toolkit "

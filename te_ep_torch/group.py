@@ -241,7 +241,10 @@ class EpGroup:
             "checks": checks,
         }, error)
 
-        self.process_group = pg
+        # Held by name, like the ops hold it: a reference to the ProcessGroup itself would keep
+        # it (and gloo's worker threads) alive after dist.destroy_process_group(), and a worker
+        # still releasing a finished collective's tensors while Python finalizes aborts the
+        # process ("terminate called without an active exception").
         self.group_name: str = pg.group_name
         self.rank: int = dist.get_rank(pg)
         self.ep_size: int = ep_size
@@ -264,6 +267,17 @@ class EpGroup:
             f"num_experts={self.num_experts}, max_tokens_per_rank={self.max_tokens_per_rank}, "
             f"backend={self.backend!r}, device={self.device})"
         )
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The group's ``torch.distributed`` process group, looked up by name (an ``EpGroup`` does
+        not keep it alive); raises ``RuntimeError`` once it was destroyed."""
+        try:
+            return dist.distributed_c10d._resolve_process_group(self.group_name)
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"EpGroup: process group {self.group_name!r} no longer exists (dist.destroy_process_group ran?)"
+            ) from exc
 
     @property
     def closed(self) -> bool:

@@ -154,7 +154,8 @@ class TopKRouter(nn.Module):
         self.route_scale = route_scale
         self.bias_update_rate = bias_update_rate
         self.aux_loss_coef = aux_loss_coef
-        self.process_group: Optional[torch.distributed.ProcessGroup] = None
+        self._group_name: Optional[str] = None
+        self._group_size = 1
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype, device=device))
         if expert_bias:
             self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device))
@@ -177,15 +178,25 @@ class TopKRouter(nn.Module):
             f"aux_loss_coef={self.aux_loss_coef}"
         )
 
-    def _group_size(self) -> int:
-        return 1 if self.process_group is None else torch.distributed.get_world_size(self.process_group)
+    @property
+    def process_group(self) -> Optional[torch.distributed.ProcessGroup]:
+        # Kept by name, as EpGroup keeps its group: a model alive at exit must not keep the
+        # process group (and gloo's worker threads) alive past dist.destroy_process_group().
+        if self._group_name is None:
+            return None
+        return torch.distributed.distributed_c10d._resolve_process_group(self._group_name)
+
+    @process_group.setter
+    def process_group(self, group: Optional[torch.distributed.ProcessGroup]) -> None:
+        self._group_name = None if group is None else group.group_name
+        self._group_size = 1 if group is None else torch.distributed.get_world_size(group)
 
     def _sum_over_group(self, t: Tensor) -> Tensor:
-        if self._group_size() == 1:
+        if self._group_size == 1:
             return t
         from torch.distributed import _functional_collectives as funcol
 
-        return funcol.all_reduce(t, "sum", self.process_group)
+        return funcol.all_reduce(t, "sum", self._group_name)
 
     def _choice_counts(self, topk_idx: Tensor) -> Tensor:
         """``[E]`` int64: how many of this call's choices picked each expert."""
@@ -227,7 +238,7 @@ class TopKRouter(nn.Module):
         if on_select is not None:
             on_select(topk_idx)
         counts = f = None
-        if self.aux_loss_coef > 0 and self._group_size() > 1:
+        if self.aux_loss_coef > 0 and self._group_size > 1:
             counts = self._choice_counts(topk_idx)
             tokens_per_expert = counts.float()
             # Reading the sum (counts.sum() in there) makes the current stream wait for the
@@ -266,7 +277,7 @@ class TopKRouter(nn.Module):
         group it is this rank's count.
         """
         load = self.expert_load.clone()
-        if global_sum and self.process_group is not None and torch.distributed.get_world_size(self.process_group) > 1:
+        if global_sum and self._group_size > 1:
             torch.distributed.all_reduce(load, group=self.process_group)
         return load
 

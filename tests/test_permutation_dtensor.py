@@ -212,7 +212,10 @@ def _worker(rank, world, store_path, error_dir):
         raise
     # Every check passed: leave without the interpreter's teardown, where gloo's
     # background threads have been seen to abort the process (SIGABRT, "terminate called
-    # without an active exception") once in a CI run. tests/test_moe.py's workers do the same.
+    # without an active exception") once in a CI run: torch's DTensor keeps the device meshes
+    # it has seen, and their process groups, alive past destroy_process_group(), and a worker
+    # thread still freeing a finished collective's tensors aborts once Python finalizes.
+    # tests/test_moe.py's workers do the same.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

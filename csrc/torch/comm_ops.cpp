@@ -23,8 +23,8 @@ struct HandleEntry {
 std::mutex g_mutex;
 // Leaked on purpose, like the nccl_ep registry: handles still alive at exit
 // must not be destroyed during static destruction, when the CUDA runtime may
-// already be unloading (a reference handle's ProcessGroupNCCL destructor then
-// aborts the process with "driver shutting down").
+// already be unloading. A leaked handle holds no process group (backends look
+// theirs up by name), so none outlives dist.destroy_process_group().
 std::unordered_map<int64_t, std::shared_ptr<HandleEntry>>& g_handles =
     *new std::unordered_map<int64_t, std::shared_ptr<HandleEntry>>();
 // Configs of destroyed handles: a rank that destroyed its handle while the

@@ -43,7 +43,8 @@ struct Plan {
 class ReferenceBackend final : public Backend {
  public:
   explicit ReferenceBackend(const HandleConfig& cfg)
-      : cfg_(cfg), pg_(c10d::resolve_process_group(cfg.group_name)), buckets_(cfg.ep_size * cfg.num_local_experts()) {}
+      : cfg_(cfg), pg_id_(c10d::resolve_process_group(cfg.group_name)->getID()),
+        buckets_(cfg.ep_size * cfg.num_local_experts()) {}
 
   std::string mode() const override { return "reference"; }
 
@@ -68,7 +69,7 @@ class ReferenceBackend final : public Backend {
     at::Tensor send_counts = at::from_blob(plan.counts.data(), {buckets_}, at::kLong).to(cfg_.device);
     at::Tensor recv_counts = at::empty_like(send_counts);
     std::vector<int64_t> even(cfg_.ep_size, cfg_.num_local_experts());
-    pg_->alltoall_base(recv_counts, send_counts, even, even)->wait();
+    pg()->alltoall_base(recv_counts, send_counts, even, even)->wait();
     at::Tensor recv_host = recv_counts.cpu();
 
     common::ZoneLayout layout =
@@ -162,6 +163,22 @@ class ReferenceBackend final : public Backend {
   }
 
  private:
+  // The handle's process group, looked up per use and never held: handles alive at exit (the
+  // registry leaks them) must not keep it, and gloo's worker threads, alive past
+  // dist.destroy_process_group(); a worker still freeing a finished collective's Python tensors
+  // while the interpreter finalizes aborts the process. A group made later under the same name
+  // is not this handle's.
+  c10::intrusive_ptr<c10d::ProcessGroup> pg() const {
+    c10::intrusive_ptr<c10d::ProcessGroup> pg;
+    try {
+      pg = c10d::resolve_process_group(cfg_.group_name);
+    } catch (const c10::Error&) {
+    }
+    TORCH_CHECK(pg && pg->getID() == pg_id_, "te_ep: the process group '", cfg_.group_name,
+                "' of this handle was destroyed (dist.destroy_process_group); create a new EpGroup");
+    return pg;
+  }
+
   std::string build_plan(const at::Tensor& topk_idx, common::SendPlan* plan) const {
     at::Tensor idx = topk_idx.cpu();
     if (idx.scalar_type() == at::kInt) {
@@ -207,7 +224,7 @@ class ReferenceBackend final : public Backend {
     for (size_t d = 1; d < row_shape.size(); ++d) row_bytes *= row_shape[d];
     at::Tensor send_bytes = send.contiguous().view(at::kByte).view({send.size(0), row_bytes});
     at::Tensor recv_bytes = recv.view(at::kByte).view({total, row_bytes});
-    pg_->alltoall_base(recv_bytes, send_bytes, recv_rows, send_rows)->wait();
+    pg()->alltoall_base(recv_bytes, send_bytes, recv_rows, send_rows)->wait();
     return recv;
   }
 
@@ -247,7 +264,7 @@ class ReferenceBackend final : public Backend {
   }
 
   HandleConfig cfg_;
-  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  int64_t pg_id_;
   int64_t buckets_;
   common::SendPlan scratch_plan_;
 };

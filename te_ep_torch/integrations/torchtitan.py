@@ -46,7 +46,8 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without torchtitan
     raise ImportError(
         "te_ep_torch.integrations.torchtitan needs TorchTitan (tested with torchtitan==0.3.0): "
-        "pip install 'te_ep_torch[torchtitan]'"
+        "pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 typeguard==4.6.0 "
+        "docstring_parser==0.18.0 (docs/torchtitan.md)"
     ) from exc
 
 from ..autograd import ep_combine, ep_dispatch, ep_dispatch_fp8
