@@ -1,17 +1,10 @@
-"""Puts the repo root (for an in-place build of te_ep_torch) and tests/ on sys.path, and
-owns the per-session worker pools of the multi-process harness."""
-
-import os
-import sys
+"""Owns the per-session worker pools of the multi-process launcher (tests/_dist.py). The import
+path (the repository root for an in-place build of te_ep_torch, and tests/) is pytest's
+``pythonpath`` in pyproject.toml."""
 
 import pytest
 
-_TESTS = os.path.dirname(os.path.abspath(__file__))
-for p in (os.path.dirname(_TESTS), _TESTS):
-    if p not in sys.path:
-        sys.path.insert(0, p)
-
-from _dist import PoolRegistry  # noqa: E402
+from _dist import PoolRegistry
 
 
 @pytest.fixture(scope="session")

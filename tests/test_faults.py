@@ -15,7 +15,6 @@ a wrong output fails whether or not anything is declared, and that the nccl_ep d
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import sys
 import pytest
 import torch
 
+import _dist
 from faults import cases as fault_cases
 from faults.expect import Expect, evaluate, judge
 from faults.runner import (INJECTED_EXIT_CODE, TORCH_ABORT_EXIT_CODE, WATCHDOG_EXIT_CODE, CaseResult, RankRecord,
@@ -30,7 +30,6 @@ from faults.runner import (INJECTED_EXIT_CODE, TORCH_ABORT_EXIT_CODE, WATCHDOG_E
 
 PG_TIMEOUT_S = 5.0
 CONFIG = RunConfig(backend="reference", device="cpu", pg_timeout_s=PG_TIMEOUT_S)
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(case, world_size: int) -> CaseResult:
@@ -139,7 +138,7 @@ def test_every_fault_case_declares_its_behaviour():
 
 
 def test_docs_table_lists_every_case():
-    with open(os.path.join(_ROOT, "docs", "ops.md")) as f:
+    with open(_dist.REPO / "docs" / "ops.md") as f:
         text = f.read()
     assert "## Faults and bad input" in text
     section = text.split("## Faults and bad input", 1)[1].split("\n## ", 1)[0]
@@ -501,11 +500,10 @@ def test_runner_reads_torch_nccl_watchdog_message_of_a_rank_without_a_record(tmp
 # the command line
 # ---------------------------------------------------------------------------
 def test_command_line():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run(
         [sys.executable, "-m", "tests.faults", "--backend", "reference", "--world-size", "2",
          "-k", "handle_config_mismatch", "tokens_hidden"],
-        cwd=_ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=_dist.REPO, env=_dist.subprocess_env(), capture_output=True, text=True, timeout=300,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
@@ -517,11 +515,10 @@ def test_command_line():
 def test_command_line_one_rank():
     """--world-size 1 runs only the cases marked one_rank (the faulty rank's side) and says which
     it skipped; at W=1 the reference backend meets the contract."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run(
         [sys.executable, "-m", "tests.faults", "--backend", "reference", "--world-size", "1",
          "-k", "tokens_dtype", "rank_exits", "bad_step"],
-        cwd=_ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=_dist.REPO, env=_dist.subprocess_env(), capture_output=True, text=True, timeout=300,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out

@@ -7,36 +7,24 @@ The benchmark script must run under torchrun with ``--device cpu``, and
 benchmarks/bench_quantize.py in one process with ``--device cpu``, printing its table
 with the bytes each row must count.
 
-Multi-process tests launch themselves: 2 spawned processes over gloo on a free
-port, under a timeout.
+Multi-process tests run on the 2-rank worker pool (tests/_dist.py), under a timeout; the
+benchmark under torchrun (``run_torchrun``).
 """
 
 from __future__ import annotations
 
 import csv
-import os
-import queue as queue_lib
 import re
-import signal
-import socket
 import subprocess
 import sys
-import time
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-REPO = Path(__file__).resolve().parent.parent
-# Use this checkout's build when it is built in place.
-if (REPO / "te_ep_torch" / "_C.so").exists():
-    sys.path.insert(0, str(REPO))
-
-import te_ep_torch as te  # noqa: E402
-from te_ep_torch.testing.moe_blocks import (  # noqa: E402
+import te_ep_torch as te
+from _dist import REPO, run_torchrun, subprocess_env
+from te_ep_torch.testing.moe_blocks import (
     ComputeOnlyMoEBlock,
     MoEConfig,
     NativeMoEBlock,
@@ -61,65 +49,6 @@ CASES = {
     "bf16-loop-a8": ("bf16", "loop", 8, 5, 30),
 }
 HIDDEN, FFN, EXPERTS, TOP_K, MAX_TOKENS = 32, 48, 8, 3, 32
-
-
-# ---- launcher ---------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(fn, rank: int, world: int, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        payload = fn(rank, world)
-        # Gloo aborts a rank whose peer tore its connections down first.
-        dist.barrier()
-        results.put((rank, True, payload))
-    except BaseException:  # noqa: BLE001  (reported to the parent, which fails the test)
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def launch(fn, world: int = WORLD, timeout: float = TIMEOUT_S):
-    """Runs ``fn(rank, world)`` on ``world`` spawned gloo ranks; returns their results by rank."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    out = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(out) < world:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                pytest.fail(f"ranks {sorted(set(range(world)) - set(out))} did not finish within {timeout}s")
-            try:
-                rank, ok, payload = results.get(timeout=min(left, 1.0))
-            except queue_lib.Empty:
-                dead = {i: p.exitcode for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in out}
-                if dead:
-                    pytest.fail(f"ranks exited without a result: {dead}")
-                continue
-            if not ok:
-                pytest.fail(f"rank {rank} failed:\n{payload}")
-            out[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return out
 
 
 # ---- what the ranks run -----------------------------------------------------------
@@ -173,7 +102,8 @@ class _PoisonedTail(TeEpMoEBlock):
         return torch.where(tail, torch.full_like(y, float("nan")), y)
 
 
-def _agreement(rank: int, world: int):
+def _agreement(ctx):
+    rank, world = ctx.rank, ctx.world_size
     group = te.EpGroup(num_experts=EXPERTS, max_tokens_per_rank=MAX_TOKENS, backend="reference")
     metrics = {}
     for case, (dtype_name, gemm, alignment, t0, t1) in CASES.items():
@@ -221,10 +151,9 @@ def _agreement(rank: int, world: int):
 
 
 @pytest.fixture(scope="module")
-def agreement():
-    by_rank = launch(_agreement)
+def agreement(pools):
     merged = {}
-    for metrics in by_rank.values():
+    for metrics in pools.run(WORLD, _agreement, timeout=TIMEOUT_S):
         for case, table in metrics.items():
             dst = merged.setdefault(case, {})
             for key, value in table.items():
@@ -276,30 +205,11 @@ def test_copy_parameters_checks_names_and_shapes():
     assert torch.equal(a.weight, c.weight) and torch.equal(a.bias, c.bias)
 
 
-def _torchrun(script, *args, cwd) -> str:
-    """Runs ``script`` on WORLD CPU ranks under torchrun; returns its output (stdout + stderr)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-           str(script), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    if (REPO / "te_ep_torch" / "_C.so").exists():
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    # A session of its own, so that a hang can be ended with every rank torchrun started.
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{script} did not finish within {TIMEOUT_S}s:\n{output}")
-    assert proc.returncode == 0, output
-    return output
-
-
 def _run_bench(tmp_path, *extra):
     csv_path = tmp_path / "moe_layer.csv"
-    output = _torchrun(REPO / "benchmarks" / "bench_moe_layer.py", "--device", "cpu", "--warmup", "1",
-                       "--iters", "2", "--csv", str(csv_path), *extra, cwd=tmp_path)
+    output = run_torchrun(REPO / "benchmarks" / "bench_moe_layer.py", "--device", "cpu", "--warmup", "1",
+                          "--iters", "2", "--csv", str(csv_path), *extra, nprocs=WORLD, timeout=TIMEOUT_S, cwd=tmp_path,
+                          OMP_NUM_THREADS="1")
     with open(csv_path) as f:
         rows = list(csv.DictReader(f))
     return output, rows
@@ -365,9 +275,7 @@ def test_bench_moe_layer_cpu_without_compute_only(tmp_path):
 
 def _python(script, *args, cwd) -> subprocess.CompletedProcess:
     """Runs ``script`` in one CPU process; returns the finished process (output in ``stdout``)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    if (REPO / "te_ep_torch" / "_C.so").exists():
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env = subprocess_env(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     try:
         return subprocess.run([sys.executable, str(script), *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
@@ -484,7 +392,7 @@ def test_tutorial_comparison_script_runs(tmp_path):
     start = text.index("# compare_blocks.py")
     script = tmp_path / "compare_blocks.py"
     script.write_text(text[start : text.index("```", start)])
-    output = _torchrun(script, cwd=REPO)
+    output = run_torchrun(script, nprocs=WORLD, timeout=TIMEOUT_S, OMP_NUM_THREADS="1")
     # Both ranks print: lines may interleave, numbers stay whole.
     diffs = [float(v) for v in re.findall(r"max \|diff\| ([0-9.e+-]+)", output)]
     assert len(diffs) == WORLD * len(QUANTITIES), output

@@ -1,22 +1,15 @@
 """DTensor sharding of the permutation ops on a CPU gloo mesh (2 and 4 processes).
 
-Each test spawns its own processes (FileStore rendezvous, no fixed port) and runs every
-scenario in them, so a plain `pytest` exercises the multi-process path. A deadline per
-test turns a hang into a failure.
+Each test runs every scenario on the worker pool of its world size (tests/_dist.py), so a
+plain `pytest` exercises the multi-process path. A deadline per test turns a hang into a
+failure.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-import tempfile
-import time
-import traceback
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
@@ -183,64 +176,27 @@ def _check_errors(mesh):
         raise AssertionError("overflow with check=True must raise on every rank")
 
 
-def _worker(rank, world, store_path, error_dir):
-    try:
-        store = dist.FileStore(store_path, world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Replicate, Shard
+def _check_all(ctx):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
 
-        import te_ep_torch.permutation  # noqa: F401  (registers the ops and rules)
+    import te_ep_torch.permutation  # noqa: F401  (registers the ops and rules)
 
-        mesh = init_device_mesh("cpu", (world,))
-        for kind in ("ids", "map"):
-            _check_permute_roundtrip(mesh, [Shard(0)], kind, num_tokens=6 * world)
-            _check_permute_roundtrip(mesh, [Replicate()], kind, num_tokens=9)
-        # Uneven shards: torch.tensor_split sizes, e.g. 4 + 3 on 2 ranks.
-        _check_permute_roundtrip(mesh, [Shard(0)], "ids", num_tokens=4 * world - 1)
-        if world == 4:
-            mesh_2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
-            _check_permute_roundtrip(mesh_2d, [Shard(0), Replicate()], "ids", num_tokens=10)
-            _check_permute_roundtrip(mesh_2d, [Shard(0), Shard(0)], "ids", num_tokens=12)
-        _check_sort_chunks(mesh, rank)
-        _check_errors(mesh)
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    # Every check passed: leave without the interpreter's teardown, where gloo's
-    # background threads have been seen to abort the process (SIGABRT, "terminate called
-    # without an active exception") once in a CI run: torch's DTensor keeps the device meshes
-    # it has seen, and their process groups, alive past destroy_process_group(), and a worker
-    # thread still freeing a finished collective's tensors aborts once Python finalizes.
-    # tests/test_moe.py's workers do the same.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    rank, world = ctx.rank, ctx.world_size
+    mesh = init_device_mesh("cpu", (world,))
+    for kind in ("ids", "map"):
+        _check_permute_roundtrip(mesh, [Shard(0)], kind, num_tokens=6 * world)
+        _check_permute_roundtrip(mesh, [Replicate()], kind, num_tokens=9)
+    # Uneven shards: torch.tensor_split sizes, e.g. 4 + 3 on 2 ranks.
+    _check_permute_roundtrip(mesh, [Shard(0)], "ids", num_tokens=4 * world - 1)
+    if world == 4:
+        mesh_2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+        _check_permute_roundtrip(mesh_2d, [Shard(0), Replicate()], "ids", num_tokens=10)
+        _check_permute_roundtrip(mesh_2d, [Shard(0), Shard(0)], "ids", num_tokens=12)
+    _check_sort_chunks(mesh, rank)
+    _check_errors(mesh)
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_dtensor_matches_unsharded(world):
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(
-            _worker,
-            args=(world, os.path.join(tmp, "store"), tmp),
-            nprocs=world,
-            join=False,
-            start_method="spawn",
-        )
-        deadline = time.monotonic() + DEADLINE_S
-        try:
-            while not ctx.join(timeout=1):
-                if time.monotonic() > deadline:
-                    pytest.fail(f"DTensor workers did not finish within {DEADLINE_S}s")
-        except mp.ProcessRaisedException:
-            reports = sorted(f for f in os.listdir(tmp) if f.startswith("rank"))
-            details = "\n".join(open(os.path.join(tmp, f)).read() for f in reports)
-            pytest.fail(f"DTensor workers failed:\n{details}")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
+def test_dtensor_matches_unsharded(pools, world):
+    pools.run(world, _check_all, timeout=DEADLINE_S)

@@ -2,13 +2,10 @@
 trace and matplotlib; the parsing is tested here on a synthetic trace)."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import timeline  # noqa: E402
+from benchmarks import timeline
 
 
 def _kernel(name, ts, dur, stream, cat="kernel"):

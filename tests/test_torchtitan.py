@@ -38,21 +38,20 @@ installs it.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
+
+from _dist import REPO, subprocess_env
 
 pytest.importorskip(
     "torchtitan.models.common.token_dispatcher",
     reason="torchtitan is not installed (scripts/dev_setup.sh installs torchtitan==0.3.0)",
 )
 
-REPO = Path(__file__).resolve().parents[1]
 REL = 2e-2
 ATOL, RTOL = 1e-5, 1e-4
 
@@ -395,8 +394,7 @@ def test_matches_all_to_all_dispatcher_gpu(dtype):
     """Unverified in this repository's CI (no GPU): 2 ranks, uneven routing, relative tolerance."""
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 CUDA GPUs, found {torch.cuda.device_count() if torch.cuda.is_available() else 0}")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-               NCCL_NVLS_ENABLE="0")
+    env = subprocess_env(NCCL_NVLS_ENABLE="0")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(REPO / "tests" / "_torchtitan_cases.py"), "case_parity",
            json.dumps({"scenario": "uneven", "dtype": dtype})]

@@ -25,18 +25,16 @@ installs it.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from _dist import REPO, run_torchrun
+
 pytest.importorskip("transformers.integrations.moe", reason="transformers is not installed "
                     "(scripts/dev_setup.sh installs transformers==5.17.0)")
 
-REPO = Path(__file__).resolve().parents[1]
 TOL = {"float32": 1e-5, "bfloat16": 3e-2}
 
 
@@ -191,23 +189,8 @@ def test_registered_in_experts_interface():
 
 
 def _torchrun(nprocs: int, script: Path, args, timeout: float) -> str:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path, also on a GPU machine
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}", str(script),
-           *args]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{script.name} timed out after {timeout}s:\n{out[-6000:]}")
-    if proc.returncode != 0:
-        pytest.fail(f"{script.name} exited with {proc.returncode}:\n{out[-6000:]}")
-    return out
+    # CUDA_VISIBLE_DEVICES="": the CPU path, also on a GPU machine.
+    return run_torchrun(script, *args, nprocs=nprocs, timeout=timeout, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
 
 
 def test_finetune_example_on_two_cpu_ranks(tmp_path):

@@ -15,18 +15,8 @@ output that a case does not declare fails it in every variant.
     python3 -m tests.faults --backend reference --world-size 2
     python3 -m tests.faults --backend nccl_ep --device cuda --world-size 2 [--check-routing | --device-checks]
 
-Modules: `runner` (processes, records, the table), `cases` (the faults and their
-expectations), `__main__` (the command line).
+Modules: `runner` (records and the table; the processes are tests/_dist.py's fresh-processes
+mode), `cases` (the faults and their expectations), `__main__` (the command line). They import
+tests/ as the rest of the suite does (``_dist``, ``ep_cases``): pytest's ``pythonpath`` puts it
+on the import path, the command line puts it there itself.
 """
-
-from __future__ import annotations
-
-import os
-import sys
-
-# The cases reuse tests/ep_cases (imported as a top-level package, as the rest of the
-# suite does) and the in-place build of te_ep_torch at the repository root.
-_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _p in (os.path.dirname(_TESTS), _TESTS):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)

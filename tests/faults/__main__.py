@@ -20,12 +20,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 
-from . import cases as fault_cases
-from .expect import judge
-from .runner import (
+# Run from the repository root (``python3 -m tests.faults``), outside pytest, whose
+# ``pythonpath`` gives the suite tests/ (for _dist and ep_cases, imported as top-level modules).
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from . import cases as fault_cases  # noqa: E402
+from .expect import judge  # noqa: E402
+from .runner import (  # noqa: E402
     DEFAULT_PG_TIMEOUT_CUDA_S,
     DEFAULT_PG_TIMEOUT_S,
     RunConfig,

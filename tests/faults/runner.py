@@ -1,11 +1,12 @@
 """Runs one fault case in W fresh processes and records what every rank did.
 
-Processes. Each case gets W new processes (multiprocessing ``forkserver`` by default: a
-server that imported torch and te_ep_torch once forks them, so a case starts in a fraction
-of a second instead of paying ~5 s of imports per rank on a small machine; ``spawn`` starts
-bare interpreters). Nothing of a case survives into the next: new process group, new te_ep
-handle registry, new NCCL/gloo connections. The ranks meet in a FileStore in the case's own
-temporary directory, wait there until all of them are up (with the long start-up limit),
+Processes. Each case runs in the fresh-processes mode of the suite's launcher
+(tests/_dist.py, ``launch_fresh``): W new processes (multiprocessing ``forkserver`` by
+default: a server that imported torch and te_ep_torch once forks them, so a case starts in a
+fraction of a second instead of paying ~5 s of imports per rank on a small machine; ``spawn``
+starts bare interpreters). Nothing of a case survives into the next: new process group, new
+te_ep handle registry, new NCCL/gloo connections. The ranks meet in a FileStore in the case's
+own temporary directory, wait there until all of them are up (with the long start-up limit),
 then create the process group with the case's short timeout, so start-up skew never counts
 against it.
 
@@ -27,28 +28,27 @@ finished early never changes what the others see by closing its connections (a r
 *dies* does, and that is what the exit case measures). Exit codes: 0 the body returned, 1 it
 raised outside `FaultCtx.faulted` (a harness error), the injected code for a deliberate
 exit, 70 te_ep's watchdog, negative for a signal (-9: killed by the runner; -6: an abort,
-e.g. by torch's NCCL watchdog).
+e.g. by torch's NCCL watchdog). A rank's stderr (the launcher's ``rank<r>.stderr``) gives
+the last words of a rank that ended without a record.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
-import multiprocessing
 import os
 import re
 import shutil
-import sys
 import tempfile
-import threading
 import time
 import traceback
 from typing import Callable, List, Optional
 
+import _dist
+
 DEFAULT_PG_TIMEOUT_S = 5.0  # on CPU; on CUDA the command line defaults to DEFAULT_PG_TIMEOUT_CUDA_S
 DEFAULT_PG_TIMEOUT_CUDA_S = 20.0
-DEFAULT_STARTUP_LIMIT_S = 180.0
+DEFAULT_STARTUP_LIMIT_S = _dist.DEFAULT_STARTUP_LIMIT_S
 # The exit code of a rank that leaves on purpose (the rank_exits_mid_step case).
 INJECTED_EXIT_CODE = 3
 WATCHDOG_EXIT_CODE = 70  # a rank te_ep's watchdog ended (csrc/common/watchdog.h)
@@ -56,8 +56,6 @@ WATCHDOG_EXIT_CODE = 70  # a rank te_ep's watchdog ended (csrc/common/watchdog.h
 # from its own thread, so std::terminate aborts the process (SIGABRT), after this line in stderr.
 TORCH_ABORT_EXIT_CODE = -6
 TORCH_WATCHDOG_SAYS = "watchdog thread terminated with exception"
-# A finished rank waits at most this long for the others before it exits anyway.
-_LINGER_LIMIT_S = 600.0
 
 
 def _pkg() -> str:
@@ -314,56 +312,24 @@ def _qualname(t: type) -> str:
     return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__name__}"
 
 
-def _child_main(case_name: str, rank: int, config: RunConfig, case_dir: str, self_deadline: float) -> None:
-    # Never outlive a runner that died: leave after the deadline whatever happens.
-    killer = threading.Timer(max(1.0, self_deadline - time.time()), lambda: os._exit(124))
-    killer.daemon = True
-    killer.start()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if config.device == "cuda":
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        # Nothing else bounds a wait inside NCCL EP: its high-throughput kernels spin without a
-        # limit, and te_ep's watchdog ends a rank whose op has not finished one process-group
-        # timeout after its launch (EpGroup's default timeout; docs/nccl_ep.md, "Timeouts").
-    # This rank's stderr, for the runner: a rank the watchdog ends leaves its message there.
-    err_fd = os.open(os.path.join(case_dir, f"rank{rank}.stderr"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(err_fd, 2)
-    os.close(err_fd)
-    record_path = os.path.join(case_dir, f"rank{rank}.json")
-    code = 0
+def _case_main(ctx, case_name: str, config: RunConfig) -> None:
+    """One rank of a fault case, in a fresh process of tests/_dist.py whose process group has
+    the case's timeout. Raises (exit code 1) where the body failed outside the faulted call."""
+    # Nothing else bounds a wait inside NCCL EP on CUDA: its high-throughput kernels spin
+    # without a limit, and te_ep's watchdog ends a rank whose op has not finished one
+    # process-group timeout after its launch (EpGroup's default timeout; docs/nccl_ep.md, "Timeouts").
+    record_path = os.path.join(ctx.tmp_dir, f"rank{ctx.rank}.json")
     try:
         import importlib
 
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        cases = importlib.import_module(f"{_pkg()}.cases")
-        case = cases.CASES_BY_NAME[case_name]
-        W = config.world_size
-        store = dist.FileStore(os.path.join(case_dir, "store"), W)
-        store.set_timeout(datetime.timedelta(seconds=config.startup_limit_s))
-        store.set(f"up{rank}", "1")
-        store.wait([f"up{r}" for r in range(W)])
-        kwargs = {}
-        if config.device == "cuda":
-            dev = torch.device("cuda", rank % torch.cuda.device_count())
-            torch.cuda.set_device(dev)
-            kwargs["device_id"] = dev
-            pg_backend = "nccl"
-        else:
-            pg_backend = "gloo"
-        dist.init_process_group(pg_backend, store=store, rank=rank, world_size=W,
-                                timeout=datetime.timedelta(seconds=config.pg_timeout_s), **kwargs)
-        import te_ep_torch  # noqa: F401  (a broken build fails here, reported as a harness error)
-
-        _touch(os.path.join(case_dir, f"ready{rank}"))
-        f = FaultCtx(rank, config, case.faulty(W), record_path)
+        case = importlib.import_module(f"{_pkg()}.cases").CASES_BY_NAME[case_name]
+        f = FaultCtx(ctx.rank, config, case.faulty(config.world_size), record_path)
     except BaseException:
-        rec = RankRecord(rank=rank, status="error", traceback=traceback.format_exc(),
+        rec = RankRecord(rank=ctx.rank, status="error", traceback=traceback.format_exc(),
                          message="start-up failed: " + traceback.format_exc().strip().splitlines()[-1])
         _write_json(record_path, dataclasses.asdict(rec))
-        os._exit(1)
+        raise
+    error = None
     try:
         case.body(f)
         if f.record.status == "running":  # the body never reached its faulted call
@@ -372,23 +338,12 @@ def _child_main(case_name: str, rank: int, config: RunConfig, case_dir: str, sel
         f.record.status = "error"
         f.record.t_end = f.record.t_end or time.time()
         f._set_exception(exc)
-        code = 1
+        error = exc
     f.record.done = True
     f.record.stage = "done"
     f.write()
-    # Linger until the runner has heard from every rank (see the module docstring).
-    release = os.path.join(case_dir, "release")
-    stop = time.time() + _LINGER_LIMIT_S
-    while not os.path.exists(release) and time.time() < stop:
-        time.sleep(0.02)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _touch(path: str) -> None:
-    with open(path, "w"):
-        pass
+    if error is not None:
+        raise error
 
 
 def _write_json(path: str, obj) -> None:
@@ -401,20 +356,6 @@ def _write_json(path: str, obj) -> None:
 # ---------------------------------------------------------------------------
 # the runner
 # ---------------------------------------------------------------------------
-_mp_contexts: dict = {}
-
-
-def _mp_context(method: str):
-    if method not in _mp_contexts:
-        ctx = multiprocessing.get_context(method)
-        if method == "forkserver":
-            # Imported once in the server; every case forks fresh processes from it. CUDA is
-            # never initialised there (importing torch does not), so children may use it.
-            ctx.set_forkserver_preload(["torch", "torch.distributed", "te_ep_torch", f"{_pkg()}.cases"])
-        _mp_contexts[method] = ctx
-    return _mp_contexts[method]
-
-
 def _read_record(path: str) -> Optional[RankRecord]:
     try:
         with open(path) as f:
@@ -438,63 +379,37 @@ def run_case(case, config: RunConfig) -> CaseResult:
     top-level code under ``if __name__ == "__main__":`` (the children import the main module).
     """
     W = config.world_size
-    ctx = _mp_context(config.start_method)
-    wall = case.wall_s(config.pg_timeout_s)
     case_dir = tempfile.mkdtemp(prefix=f"te_ep_fault_{case.name}_")
-    self_deadline = time.time() + config.startup_limit_s + wall + 60.0
-    procs = [
-        ctx.Process(target=_child_main, args=(case.name, r, config, case_dir, self_deadline),
-                    name=f"te_ep_fault_{case.name}_r{r}", daemon=True)
-        for r in range(W)
-    ]
-    result = CaseResult(case=case.name, config=config, faulty=case.faulty(W), ranks=[])
     paths = [os.path.join(case_dir, f"rank{r}.json") for r in range(W)]
+    result = CaseResult(case=case.name, config=config, faulty=case.faulty(W), ranks=[])
     try:
-        for p in procs:
-            p.start()
-        # start-up: every rank has its process group (or one failed)
-        deadline = time.monotonic() + config.startup_limit_s
-        while not all(os.path.exists(os.path.join(case_dir, f"ready{r}")) for r in range(W)):
-            failed = [r for r in range(W) if not procs[r].is_alive()
-                      and not os.path.exists(os.path.join(case_dir, f"ready{r}"))]
-            if failed or time.monotonic() > deadline:
-                _kill(procs)
-                recs = [_read_record(paths[r]) or RankRecord(rank=r, status="died", exit_code=procs[r].exitcode)
-                        for r in range(W)]
-                why = "; ".join(f"rank {rec.rank}: {rec.message or rec.status}" for rec in recs if rec.rank in failed)
-                result.startup_error = why or f"not every rank was up within {config.startup_limit_s:.0f} s"
-                result.ranks = recs
-                return result
-            time.sleep(0.01)
-        t0 = time.monotonic()
-        deadline = t0 + wall
-        seen_dead: dict = {}
-        while True:
-            recs = [_read_record(path) for path in paths]
-            for r, p in enumerate(procs):
-                if r not in seen_dead and not p.is_alive():
-                    seen_dead[r] = time.time()
-            done = [_finished(rec) or r in seen_dead for r, rec in enumerate(recs)]
-            if all(done):
-                break
-            if time.monotonic() > deadline:
-                result.hang = True
-                break
-            time.sleep(0.01)
-        t_stop = time.time()
-        result.wall_s = time.monotonic() - t0
-        _touch(os.path.join(case_dir, "release"))
-        if result.hang:
-            _kill(procs)
-        else:
-            for p in procs:
-                p.join(timeout=10)
-            _kill(procs)
-        result.ranks = _finish_records(paths, procs, t_stop, seen_dead)
+        run = _dist.launch_fresh(
+            W, _case_main, (case.name, config), wall_s=case.wall_s(config.pg_timeout_s), device=config.device,
+            backend=config.backend, pg_timeout_s=config.pg_timeout_s, startup_limit_s=config.startup_limit_s,
+            start_method=config.start_method, preload=(f"{_pkg()}.cases",),
+            finished=lambda r: _finished(_read_record(paths[r])), run_dir=case_dir, name=f"te_ep_fault_{case.name}")
+        if not run.started:
+            recs = [_read_record(paths[r]) or _startup_record(rank) for r, rank in enumerate(run.ranks)]
+            why = "; ".join(f"rank {rec.rank}: {rec.message or rec.status}" for rec in recs
+                            if rec.rank in run.startup_failed)
+            result.startup_error = why or f"not every rank was up within {config.startup_limit_s:.0f} s"
+            result.ranks = recs
+            return result
+        result.hang = run.hang
+        result.wall_s = run.wall_s
+        seen_dead = {rank.rank: rank.ended_at for rank in run.ranks if rank.ended_at is not None}
+        result.ranks = _finish_records(paths, run.ranks, run.stopped_at, seen_dead)
         return result
     finally:
-        _kill(procs)
         shutil.rmtree(case_dir, ignore_errors=True)
+
+
+def _startup_record(rank: "_dist.RankRun") -> RankRecord:
+    """The record of a rank that did not get its process group."""
+    if rank.error:
+        return RankRecord(rank=rank.rank, status="error", traceback=rank.error,
+                          message="start-up failed: " + rank.error.strip().splitlines()[-1])
+    return RankRecord(rank=rank.rank, status="died", exit_code=rank.exitcode)
 
 
 def _stderr_of(path: str) -> str:
@@ -544,15 +459,6 @@ def _finish_records(paths: List[str], procs, t_stop: float, seen_dead: dict) -> 
         if t_fault is not None and rec.t_end is not None:
             rec.seconds = rec.t_end - t_fault
     return recs
-
-
-def _kill(procs) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    for p in procs:
-        if p.pid is not None:
-            p.join(timeout=10)
 
 
 # ---------------------------------------------------------------------------

@@ -94,10 +94,10 @@ if want faults; then
 fi
 want perm && run "permutation CUDA tests" "$LOG/permutation.log" timeout 900 "$PY" -m pytest -q tests/test_permutation.py -k cuda
 want fp8 && run "FP8 CUDA tests" "$LOG/fp8.log" \
-  timeout 900 "$PY" -m pytest -q tests/test_fp8_ops.py "tests/test_moe.py::test_fp8_dispatch_layer_gpu"
+  timeout 900 "$PY" -m pytest -q tests/test_fp8_ops.py "tests/test_moe_fp8.py::test_fp8_dispatch_layer_gpu"
 want overlap && run "overlap GPU tests" "$LOG/overlap.log" \
-  timeout 900 "$PY" -m pytest -q "tests/test_moe.py::test_overlap_layer_matches_sequential_gpu" \
-    "tests/test_moe.py::test_overlap_layer_in_a_cuda_graph_gpu"
+  timeout 900 "$PY" -m pytest -q "tests/test_moe_overlap.py::test_overlap_layer_matches_sequential_gpu" \
+    "tests/test_moe_overlap.py::test_overlap_layer_in_a_cuda_graph_gpu"
 want watchdog && run "watchdog GPU tests" "$LOG/watchdog.log" timeout 900 "$PY" -m pytest -q tests/gpu/test_watchdog.py
 echo
 printf '%s\n' "${summary[@]}"

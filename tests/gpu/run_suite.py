@@ -28,11 +28,10 @@ import traceback
 # what these tests are about.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_TESTS = os.path.dirname(_HERE)
-for _p in (os.path.dirname(_TESTS), _TESTS):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+# A script torchrun starts, outside pytest's pythonpath: tests/ and the repository root (an
+# in-place build) on the import path, as pytest puts them.
+_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [_TESTS, os.path.dirname(_TESTS)]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -11,7 +11,6 @@ in tests/faults have a real one).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -21,9 +20,9 @@ import pytest
 import torch
 
 import te_ep_torch  # noqa: F401  (loads the op library)
+from _dist import subprocess_env
 from te_ep_torch import _nccl_ep, ops
 
-REPO = Path(__file__).resolve().parents[2]
 CASE = Path(__file__).with_name("_watchdog_case.py")
 EXIT_CODE = 70
 
@@ -34,7 +33,7 @@ needs_gpu_and_nccl_ep = pytest.mark.skipif(
 
 
 def _env(**extra) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env = subprocess_env()
     env.pop("TE_EP_WATCHDOG", None)
     env.update(extra)
     return env

@@ -39,8 +39,10 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))]  # tests/, the repo root
+# A script torchrun starts, outside pytest's pythonpath: tests/ and the repository root (an
+# in-place build) on the import path, as pytest puts them.
+_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [_TESTS, os.path.dirname(_TESTS)]
 
 import transformers  # noqa: E402
 
