@@ -77,9 +77,8 @@ def report() -> Tuple[List[str], List[str]]:
     """``(lines, problems)``: the report, and what keeps the nccl_ep backend from running, each
     with the command that fixes it."""
     lines, problems = [], []
-    ops = torch.ops.te_ep
     info = _build_info()
-    built_nccl_ep = bool(ops._nccl_ep_built())
+    built_nccl_ep = bool(torch.ops.te_ep._nccl_ep_built())
 
     lines.append(f"te_ep_torch {te_ep_torch.__version__} ({os.path.dirname(os.path.abspath(te_ep_torch.__file__))})")
     lines.append(f"torch {torch.__version__}, CUDA {torch.version.cuda or 'none (CPU-only build)'}")
@@ -117,7 +116,8 @@ def report() -> Tuple[List[str], List[str]]:
     else:
         lines.append("NCCL EP: not installed (pip package nccl-extensions)")
     if library is None:
-        problems.append(f"NCCL EP is not installed: `{_nccl_ep.install_command()}`, then rebuild: `{_nccl_ep.REBUILD}`")
+        rebuild = "" if built_nccl_ep else f", then rebuild: `{_nccl_ep.REBUILD}`"
+        problems.append(f"NCCL EP is not installed: `{_nccl_ep.install_command()}`{rebuild}")
 
     if info is None:
         lines.append("build: no record (te_ep_torch/_build_info.py is written by setup.py's build_ext)")
@@ -164,6 +164,9 @@ def main() -> int:
         print("to get the nccl_ep backend (the fast path):")
         for problem in dict.fromkeys(problems):
             print(f"  - {problem}")
+        if "nvidia-nccl-cu13==" in _nccl_ep.install_command():
+            print(f"  (torch {torch.__version__.split('+')[0]} pins an older NCCL: that command replaces it, and pip "
+                  "warns about torch's pin; torch >= 2.14 pins NCCL 2.30.7 and needs no override)")
     return 0
 
 

@@ -26,5 +26,5 @@ def test_readme_api_example_runs_at_2_ranks():
         assert not summary["failed"], _report(summary)
         for rank in range(2):
             out = (Path(tmp) / f"run0_rank{rank}.log").read_text()
-            m = re.search(rf"rank {rank}: y \(256, 512\), \|grad x\| (\d+\.\d+)", out)
+            m = re.search(rf"rank {rank}: y \(256, 256\), \|grad x\| (\d+\.\d+)", out)
             assert m and float(m[1]) > 0, out[-3000:]
