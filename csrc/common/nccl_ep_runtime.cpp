@@ -20,8 +20,8 @@ namespace nccl_ep {
 namespace {
 
 constexpr const char* kInstallHint =
-    "Install the optional dependencies with `pip install te_ep_torch[nccl-ep]` "
-    "(nccl-extensions and nvidia-nccl-cu13>=2.30.7).";
+    "Install NCCL EP as the README's Install section says (`pip install 'nccl-extensions[cu13]'` with torch >= 2.14; "
+    "python3 -m te_ep_torch prints the command for the torch installed).";
 
 std::mutex g_mutex;
 Api g_api;

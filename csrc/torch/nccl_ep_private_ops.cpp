@@ -17,11 +17,10 @@ namespace te_ep {
 namespace {
 
 constexpr const char* kNotBuilt =
-    "te_ep_torch was built without NCCL EP support, so backend 'nccl_ep' is unavailable. Install the optional "
-    "dependencies with `pip install te_ep_torch[nccl-ep]` (nccl-extensions and nvidia-nccl-cu13>=2.30.7) on a "
-    "machine with the CUDA toolkit, then rebuild: `pip install --no-build-isolation --force-reinstall --no-deps "
-    "te_ep_torch` (setup.py looks for nccl_ep.h in the nccl-extensions package or in $TE_EP_NCCL_EP_INCLUDE). "
-    "Or use backend='reference'.";
+    "te_ep_torch was built without NCCL EP support, so backend 'nccl_ep' is unavailable. Install NCCL EP "
+    "(python3 -m te_ep_torch prints the command for the torch installed) on a machine with the CUDA toolkit, "
+    "then rebuild from the source tree: `pip install --no-build-isolation --no-deps -e .` (setup.py looks for "
+    "nccl_ep.h in the nccl-extensions package or in $TE_EP_NCCL_EP_INCLUDE). Or use backend='reference'.";
 
 }  // namespace
 

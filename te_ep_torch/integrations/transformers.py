@@ -47,7 +47,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without transformers
     raise ImportError(
         "te_ep_torch.integrations.transformers needs Hugging Face transformers (tested with transformers==5.17.0): "
-        "pip install 'te_ep_torch[transformers]'"
+        "pip install --no-deps transformers==5.17.0 (docs/transformers.md)"
     ) from exc
 try:
     from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
@@ -55,7 +55,7 @@ except ImportError as exc:  # pragma: no cover - exercised only with another tra
     raise ImportError(
         f"te_ep_torch.integrations.transformers: transformers {transformers.__version__} lacks the experts interface "
         "it plugs into (transformers.integrations.moe.ExpertsInterface and its default gate); tested with "
-        "transformers==5.17.0: pip install 'te_ep_torch[transformers]'"
+        "transformers==5.17.0 (docs/transformers.md)"
     ) from exc
 
 from ..autograd import ep_combine, ep_dispatch

@@ -17,10 +17,10 @@
 #                                        # cases (bf16 and FP8, eager, compiled and CUDA graph, their
 #                                        # errors), the smoke test, a few fault cases; no soak
 if [ "${1:-}" = "--quick" ]; then
-  export TE_EP_SUITE_CASES=${TE_EP_SUITE_CASES:-"routing_exact moe_dense_bf16 fp8_dispatch_exact cuda_graph compile_aot_eager device_checks_op_arguments routing_guard bad_input_tokens_dtype capacity_overflow"}
+  export TE_EP_SUITE_CASES=${TE_EP_SUITE_CASES:-"routing_exact fp8_dispatch_exact cuda_graph check_modes device_checks_op_arguments bad_input_tokens_dtype capacity_overflow"}
   export TE_EP_FAULT_CASES=${TE_EP_FAULT_CASES:-"expert_id_out_of_range tokens_dtype_one_rank"}
   export TE_EP_WORLD_SIZES=${TE_EP_WORLD_SIZES:-2}
-  export TE_EP_PARTS=${TE_EP_PARTS:-suite smoke faults fp8 overlap}
+  export TE_EP_PARTS=${TE_EP_PARTS:-nccl_suite smoke faults fp8 overlap}
 fi
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -52,17 +52,17 @@ run() {  # name, log file, command...
 }
 CHECKS=${TE_EP_CHECKS:-local device synchronous}
 largest=0
-for w in ${TE_EP_WORLD_SIZES:-2 4}; do
+for w in ${TE_EP_WORLD_SIZES:-2 4}; do  # 1: the one-rank cases of run_suite.py (one GPU)
   [ "$w" -le "$ngpu" ] || continue
   largest=$w
-  want suite && run "suite W=$w backend=reference" "$LOG/suite.log" \
+  want suite && [ "$w" -ge 2 ] && run "suite W=$w backend=reference" "$LOG/suite.log" \
     timeout 900 "$PY" -m torch.distributed.run --standalone --nproc-per-node="$w" tests/gpu/run_suite.py --backend reference
   for mode in $MODES; do
     for checks in $CHECKS; do
       # checks=synchronous: the cases that need every rank to raise in the op (the other
       # modes run every case but those, on good steps and their own error cases).
-      agreement=include; [ "$checks" = synchronous ] && agreement=only
-      want suite && run "suite W=$w nccl_ep mode=$mode checks=$checks" "$LOG/suite.log" \
+      agreement=include; [ "$checks" = synchronous ] && [ "$w" -ge 2 ] && agreement=only
+      { want suite || want nccl_suite; } && run "suite W=$w nccl_ep mode=$mode checks=$checks" "$LOG/suite.log" \
         timeout 900 "$PY" -m torch.distributed.run --standalone --nproc-per-node="$w" tests/gpu/run_suite.py \
         --backend nccl_ep --nccl-ep-mode "$mode" --checks "$checks" --agreement $agreement \
         ${TE_EP_SUITE_CASES:+-k $TE_EP_SUITE_CASES}

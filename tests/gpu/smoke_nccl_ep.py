@@ -247,7 +247,7 @@ def check_capacity_overflow() -> None:
         try:
             case.prepare(bad)
         except RuntimeError as exc:
-            assert "topk_idx[5]" in str(exc) or f"rank {WORLD - 1}" in str(exc), f"unexpected error: {exc}"
+            assert "topk_idx[5, 0] = 10000" in str(exc) or f"rank {WORLD - 1}" in str(exc), f"unexpected error: {exc}"
         else:
             raise AssertionError("prepare did not raise on an out-of-range expert id")
         counts, total = case.prepare()
