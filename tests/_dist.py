@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import importlib
 import multiprocessing
 import os
 import pickle
@@ -318,7 +319,6 @@ class RankRun:
     outcome: str = "hang"
     value: Any = None  # what the body returned
     error: str = ""  # the formatted traceback of a raise
-    ready: bool = False  # had its process group
     exitcode: Optional[int] = None  # negative: the signal that ended it (-9: killed at the deadline)
     ended_at: Optional[float] = None  # time.time() when the launcher first saw the process gone
     stderr: str = ""
@@ -370,7 +370,8 @@ def _touch(path: str) -> None:
 
 
 def _fresh_main(fn: Callable, args: tuple, kwargs: dict, rank: int, world_size: int, run_dir: str, device: str,
-                backend: str, pg_timeout_s: float, startup_limit_s: float, self_deadline: float) -> None:
+                backend: str, pg_timeout_s: float, startup_limit_s: float, preload: Sequence[str],
+                self_deadline: float) -> None:
     # Never outlive a launcher that died: leave after the deadline whatever happens.
     killer = threading.Timer(max(1.0, self_deadline - time.time()), lambda: os._exit(124))
     killer.daemon = True
@@ -381,6 +382,8 @@ def _fresh_main(fn: Callable, args: tuple, kwargs: dict, rank: int, world_size: 
     os.dup2(err_fd, 2)
     os.close(err_fd)
     try:
+        for module in preload:  # at start-up, so that the body starts as soon as the run does
+            importlib.import_module(module)
         ctx = _join_group(rank, world_size, run_dir, device, backend, pg_timeout_s, startup_limit_s)
         _touch(os.path.join(run_dir, f"ready{rank}"))
     except BaseException:
@@ -445,6 +448,9 @@ def launch_fresh(world_size: int, fn: Callable, args: tuple = (), kwargs: Option
     stops. A child also exits by itself after both limits and a margin, so no orphan
     outlives a launcher that died.
 
+    Each child imports ``preload`` before it joins the group (forkserver's server imports them
+    once, with torch and te_ep_torch, if this is the run that starts it).
+
     The ranks share ``run_dir`` (``ctx.tmp_dir``; a new temporary directory, removed at the
     end, unless the caller passes its own), where rank r's stderr goes to ``rank<r>.stderr``.
 
@@ -458,7 +464,7 @@ def launch_fresh(world_size: int, fn: Callable, args: tuple = (), kwargs: Option
     procs = [
         ctx.Process(target=_fresh_main,
                     args=(fn, tuple(args), dict(kwargs or {}), r, world_size, run_dir, device, backend, pg_timeout_s,
-                          startup_limit_s, self_deadline),
+                          startup_limit_s, tuple(preload), self_deadline),
                     name=f"{name}_r{r}", daemon=True)
         for r in range(world_size)
     ]
@@ -517,7 +523,6 @@ def launch_fresh(world_size: int, fn: Callable, args: tuple = (), kwargs: Option
 
 def _fill_ranks(run: FreshRun, procs, run_dir: str, seen_dead: dict) -> None:
     for r, rec in enumerate(run.ranks):
-        rec.ready = os.path.exists(os.path.join(run_dir, f"ready{r}"))
         rec.exitcode = procs[r].exitcode
         rec.ended_at = seen_dead.get(r)
         result = _read_result(run_dir, r)
@@ -549,22 +554,18 @@ def run_fresh(world_size: int, fn: Callable, *args, timeout: float = DEFAULT_TIM
         tail = rec.stderr.strip()[-4000:]
         return rec.error + (f"\n-- stderr --\n{tail}" if tail else "")
 
-    if not run.started:
-        failures = {rec.rank: said(rec) or f"exit code {rec.exitcode}" for rec in run.ranks
-                    if rec.rank in run.startup_failed}
-        if failures:
-            raise RankFailure(_format_failures(f"{what}: start-up", failures))
-        raise HangError(f"hang: {what}: not every rank was up within {DEFAULT_STARTUP_LIMIT_S:.0f} s")
-    failures = {rec.rank: said(rec) for rec in run.ranks if rec.outcome in ("raised", "start-up failed")}
+    failures = {rec.rank: said(rec) for rec in run.ranks
+                if rec.outcome in ("raised", "start-up failed") or (rec.outcome == "died" and rec.stderr.strip())}
+    dead = {rec.rank: rec.exitcode for rec in run.ranks if rec.outcome == "died"}
     if run.hang:
         raise _stopped(what, failures, [rec.rank for rec in run.ranks if rec.outcome == "hang"], world_size,
                        timeout, "processes")
-    dead = {rec.rank: rec.exitcode for rec in run.ranks if rec.outcome == "died"}
     if dead:
-        failures.update({rec.rank: said(rec) for rec in run.ranks if rec.outcome == "died" and rec.stderr.strip()})
         raise _died(what, dead, failures)
     if failures:
         raise RankFailure(_format_failures(what, failures))
+    if not run.started:
+        raise HangError(f"hang: {what}: not every rank was up within {DEFAULT_STARTUP_LIMIT_S:.0f} s")
     return [rec.value for rec in run.ranks]
 
 
