@@ -581,11 +581,11 @@ def subprocess_env(**extra: str) -> dict:
     return env
 
 
-def run_torchrun(script, *args, nprocs: int, timeout: float, cwd=REPO, **env: str) -> str:
+def run_torchrun(script, *args, nprocs: int, timeout: float, cwd=REPO, expect_ok: bool = True, **env: str) -> str:
     """Runs ``script`` under torchrun on ``nprocs`` local ranks (environment: `subprocess_env`
     with ``env``); returns its output (stdout and stderr). Fails the test if it does not finish
     within ``timeout`` (then every process torchrun started is killed: it runs in a session of
-    its own) or exits non-zero."""
+    its own), or if it exits non-zero (with ``expect_ok=False``: if it exits with 0)."""
     import pytest
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}", str(script),
@@ -599,6 +599,8 @@ def run_torchrun(script, *args, nprocs: int, timeout: float, cwd=REPO, **env: st
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail(f"{name} timed out after {timeout}s:\n{out[-6000:]}")
-    if proc.returncode != 0:
+    if expect_ok and proc.returncode != 0:
         pytest.fail(f"{name} exited with {proc.returncode}:\n{out[-6000:]}")
+    if not expect_ok and proc.returncode == 0:
+        pytest.fail(f"{name} exited with 0, expected a failure:\n{out[-6000:]}")
     return out

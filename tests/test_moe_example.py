@@ -11,47 +11,21 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
-import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from _dist import REPO, run_torchrun
+
 TINY = ["--steps", "3", "--hidden", "32", "--ffn", "32", "--heads", "2", "--batch-size", "4", "--seq-len", "16"]
 # FP8 dispatch scales blocks of 128 values: the smallest hidden it takes (the later --hidden wins).
 TINY_FP8 = [*TINY, "--hidden", "128"]
 
 
 def _run_example(nprocs: int, extra, timeout: float = 150.0, expect_ok: bool = True, env_extra=None) -> str:
-    env = dict(os.environ, **(env_extra or {}))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path, also on a GPU machine
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nprocs}",
-        str(REPO / "examples" / "moe_train.py"),
-        *extra,
-    ]
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"example timed out after {timeout}s:\n{out[-6000:]}")
-    if expect_ok and proc.returncode != 0:
-        pytest.fail(f"example exited with {proc.returncode}:\n{out[-6000:]}")
-    if not expect_ok and proc.returncode == 0:
-        pytest.fail(f"example exited with 0, expected a failure:\n{out[-6000:]}")
-    return out
+    # CUDA_VISIBLE_DEVICES="": the CPU path, also on a GPU machine
+    return run_torchrun(REPO / "examples" / "moe_train.py", *extra, nprocs=nprocs, timeout=timeout,
+                        expect_ok=expect_ok, CUDA_VISIBLE_DEVICES="", **(env_extra or {}))
 
 
 @pytest.mark.parametrize(
