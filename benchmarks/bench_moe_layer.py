@@ -52,7 +52,10 @@ is the peak memory a step allocates on top of what was resident before it
 te_ep receive capacity: by default this run's routing (which is the same every
 step: same input, same router) needs at most N padded rows on a rank; the
 handles get ceil(N * --capacity-headroom) rows (a capacity factor, in effect).
---worst-case-capacity sizes them for any routing instead.
+--worst-case-capacity sizes them for any routing instead. Unless it is given, a
+``te_ep-default`` row times the same block with the default capacity (the worst case:
+what a user gets without sizing the buffer), so the two rows show what the capacity
+costs in time (the zone kernels keep the work bounded by the rows in use).
 
 ``--device cpu`` runs tiny sizes on gloo with the reference backend: it tests
 the script; its numbers mean nothing. NVLink multicast is never used:
@@ -241,13 +244,17 @@ def main(argv: Optional[List[str]] = None) -> int:
             continue
         seen.add(group.backend)
         capacity = fit_capacity(native, x, args, group)
-        variants = [("te_ep", False, False)]
+        worst = group.worst_case_capacity(args.top_k, args.alignment)
+        variants = [("te_ep", False, False, capacity)]
+        if capacity != worst:
+            # What a user gets without sizing the buffer (the default capacity, the worst case).
+            variants.append(("te_ep-default", False, False, worst))
         if args.overlap:
-            variants.append(("te_ep-overlap", False, True))
+            variants.append(("te_ep-overlap", False, True, capacity))
         if args.fp8:
-            variants.append(("te_ep-fp8", True, False))
-        for name, fp8, overlap in variants:
-            block = TeEpMoEBlock(config, group, alignment=args.alignment, capacity=capacity, gemm=args.gemm,
+            variants.append(("te_ep-fp8", True, False, capacity))
+        for name, fp8, overlap, cap in variants:
+            block = TeEpMoEBlock(config, group, alignment=args.alignment, capacity=cap, gemm=args.gemm,
                                  seed=args.seed + 1, dispatch_dtype=torch.float8_e4m3fn if fp8 else None,
                                  overlap=overlap)
             copy_parameters(native, block)
@@ -261,7 +268,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 verify_ok &= ok
                 if rank == 0:
                     print(f"  {what:<14} max|diff| {max_abs:.3e}  rel L2 {rel:.3e}  {'ok' if ok else 'MISMATCH'}")
-            blocks.append((name, group.backend, block, capacity))
+            blocks.append((name, group.backend, block, cap))
         if not args.no_compute_only:
             stand_in = ComputeOnlyMoEBlock(config, ep_rank=rank, ep_size=world, device=device,
                                            alignment=args.alignment, capacity=capacity, gemm=args.gemm,

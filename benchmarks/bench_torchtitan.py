@@ -9,8 +9,13 @@ over all ranks, ``partial_dtensor`` SPMD backend) is built twice from the same s
 
 * ``all_to_all``: TorchTitan's ``AllToAllTokenDispatcher`` (count exchange, host sync
   for the splits, all_to_all_single, its permutation);
-* ``te_ep``: ``TeEpTokenDispatcher`` selected by the ``te_ep_dispatcher`` override
-  (ep_dispatch/ep_combine on a static capacity, no host sync).
+* ``te_ep``: what ``use_te_ep`` selects: ``TeEpTokenDispatcher`` (the ``te_ep_dispatcher``
+  override: ep_dispatch/ep_combine on a static capacity, no host sync) and
+  ``TeEpGroupedExperts`` (the ``te_ep_experts`` override: the experts' work bounded by the
+  routed rows), with the default capacity (the worst case);
+* ``te_ep/tt-experts``: the dispatcher alone, with TorchTitan's own ``GroupedExperts``
+  (its activation runs over every row of the buffer);
+* ``te_ep cf=F`` (with ``--capacity-factor F``): ``te_ep`` with that capacity factor.
 
 Default shape, DeepSeek-V2-Lite / DeepSeek-V3 "16B"-style MoE: dim 2048, expert FFN
 1408, 64 routed experts, top-6, 8192 tokens per rank, bfloat16 activations and weights
@@ -18,8 +23,9 @@ Default shape, DeepSeek-V2-Lite / DeepSeek-V3 "16B"-style MoE: dim 2048, expert 
 dispatcher). A step is forward + backward of the layer with a fixed output gradient;
 each timed step starts after a barrier and a device synchronisation and is timed with
 CUDA events; a row reports the median over steps of the slowest rank, tokens per
-second per GPU and the speedup over ``all_to_all``. Before timing, the two layers'
-outputs are compared (max |diff| / max |ref| over ranks; the run fails above 2e-2).
+second per GPU and the speedup over ``all_to_all``. Before timing, every te_ep layer's
+output is compared with all_to_all's (max |diff| / max |ref| over ranks; the run fails
+above 2e-2).
 
 ``--device cpu`` runs tiny sizes on gloo with the reference backend: it tests the
 script; its numbers mean nothing. It needs 2 or more ranks: on a single rank TorchTitan
@@ -52,7 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--backend", choices=("auto", "reference", "nccl_ep"), default="auto",
                    help="te_ep backend (cpu always uses reference)")
     p.add_argument("--capacity-factor", type=float, default=None,
-                   help="te_ep receive capacity as a fraction of the worst case (default: worst case)")
+                   help="also time te_ep with this capacity_factor (TeEpTokenDispatcher.Config); the te_ep row "
+                        "keeps the default capacity (the worst case)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     args = p.parse_args(argv)
@@ -90,7 +97,7 @@ def main(argv=None) -> int:
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
     import te_ep_torch
-    from te_ep_torch.integrations.torchtitan import te_ep_dispatcher
+    from te_ep_torch.integrations.torchtitan import te_ep_dispatcher, te_ep_experts
 
     device = _common.init_distributed(args.device)
     rank = dist.get_rank()
@@ -101,11 +108,12 @@ def main(argv=None) -> int:
     tt_parallel_dims.device_type = device.type  # TorchTitan fixes it at import ("cuda" without GPUs)
     pd.build_mesh()
 
-    def build(dispatcher_cfg) -> MoE:
+    def build(dispatcher_cfg, ours_experts: bool = False) -> MoE:
+        experts_cfg = GroupedExperts.Config(dim=args.dim, hidden_dim=args.ffn, num_experts=args.experts)
         cfg = MoE.Config(
             num_experts=args.experts,
             routed_experts=RoutedExperts.Config(
-                inner_experts=GroupedExperts.Config(dim=args.dim, hidden_dim=args.ffn, num_experts=args.experts),
+                inner_experts=te_ep_experts(experts_cfg) if ours_experts else experts_cfg,
                 token_dispatcher=dispatcher_cfg,
             ),
             router=TokenChoiceTopKRouter.Config(
@@ -127,12 +135,20 @@ def main(argv=None) -> int:
         return moe
 
     a2a_cfg = AllToAllTokenDispatcher.Config(num_experts=args.experts, top_k=args.top_k)
-    ours_cfg = te_ep_dispatcher(
-        AllToAllTokenDispatcher.Config(num_experts=args.experts, top_k=args.top_k),
-        hidden_dim=args.dim, num_max_tokens_per_rank=args.tokens_per_rank, dtype=args.dtype,
-        backend=args.backend, capacity_factor=args.capacity_factor,
-    )
-    layers = {"all_to_all": build(a2a_cfg), "te_ep": build(ours_cfg)}
+
+    def ours_cfg(capacity_factor):
+        return te_ep_dispatcher(
+            AllToAllTokenDispatcher.Config(num_experts=args.experts, top_k=args.top_k),
+            hidden_dim=args.dim, num_max_tokens_per_rank=args.tokens_per_rank, dtype=args.dtype,
+            backend=args.backend, capacity_factor=capacity_factor,
+        )
+
+    # te_ep: both overrides (use_te_ep), default capacity; te_ep/tt-experts: the dispatcher
+    # alone, TorchTitan's own GroupedExperts (activation over the whole buffer).
+    layers = {"all_to_all": build(a2a_cfg), "te_ep": build(ours_cfg(None), True),
+              "te_ep/tt-experts": build(ours_cfg(None))}
+    if args.capacity_factor is not None:
+        layers[f"te_ep cf={args.capacity_factor:g}"] = build(ours_cfg(args.capacity_factor), True)
     gen = torch.Generator(device=device).manual_seed(1 + rank)
     x = torch.randn(1, args.tokens_per_rank, args.dim, generator=gen, device=device).to(dtype)
     grad = torch.randn(x.shape, generator=gen, device=device).to(dtype)
@@ -144,25 +160,33 @@ def main(argv=None) -> int:
         return y.detach()
 
     ys = {name: step(moe) for name, moe in layers.items()}
-    rel = ((ys["te_ep"].float() - ys["all_to_all"].float()).abs().max()
-           / ys["all_to_all"].float().abs().max().clamp_min(1e-12)).reshape(1)
+    ref = ys["all_to_all"].float()
+    rel = torch.stack([(y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-12)
+                       for name, y in ys.items() if name != "all_to_all"]).max().reshape(1)
     dist.all_reduce(rel, op=dist.ReduceOp.MAX)
 
     times = {name: _common.median_ms(lambda: step(moe), device, args.warmup, args.iters, ranks=True).ms
              for name, moe in layers.items()}
+
+    def capacity(name):
+        if name == "all_to_all":
+            return "-"
+        return next(iter(layers[name].routed_experts.token_dispatcher._handles.values())).config.capacity
 
     if rank == 0:
         handle = next(iter(layers["te_ep"].routed_experts.token_dispatcher._handles.values()))
         print(f"TorchTitan MoE layer fwd+bwd, EP={world} on {device.type} "
               f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'gloo'}): "
               f"T/rank={args.tokens_per_rank} dim={args.dim} ffn={args.ffn} E={args.experts} top-{args.top_k} "
-              f"{args.dtype}; te_ep {handle.mode} capacity={handle.config.capacity}")
-        print(f"outputs agree: max |diff| / max |ref| = {rel.item():.2e}")
+              f"{args.dtype}; te_ep {handle.mode}")
+        print(f"outputs agree: max |diff| / max |ref| = {rel.item():.2e} (worst te_ep row)")
         _common.print_table([
-            Column("dispatcher", "<12", "dispatcher"), Column("step ms", ">9", "step_ms", ".3f"),
+            Column("dispatcher", "<18", "dispatcher"), Column("capacity", ">9", "capacity"),
+            Column("step ms", ">9", "step_ms", ".3f"),
             Column("tokens/s/GPU", ">14", "tokens_per_s_per_gpu", ",.0f"),
             Column("speedup", ">8", lambda r: f"{r['speedup']:.2f}x"),
-        ], [{"dispatcher": name, "step_ms": ms, "tokens_per_s_per_gpu": args.tokens_per_rank / ms * 1e3,
+        ], [{"dispatcher": name, "capacity": capacity(name), "step_ms": ms,
+             "tokens_per_s_per_gpu": args.tokens_per_rank / ms * 1e3,
              "speedup": times["all_to_all"] / ms} for name, ms in times.items()])
     te_ep_torch.shutdown_ep_groups()
     _common.close_distributed()

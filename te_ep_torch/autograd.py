@@ -419,3 +419,47 @@ def _sort_chunks_by_map_backward(ctx, grad_output, grad_permuted_probs):
 torch.library.register_autograd(
     "te_ep::sort_chunks_by_map", _sort_chunks_by_map_backward, setup_context=_sort_chunks_by_map_setup
 )
+
+
+# ---- zone ops: registered autograd formulas ------------------------------------------
+# The backward of each zone op is a zone op too, so it is bounded by the rows in use as
+# well; the zone counts get no gradient.
+
+
+def _zone_glu_setup(ctx, inputs, output):
+    gate_up, counts, gate, interleaved, alpha, limit = inputs
+    ctx.spec = (gate, interleaved, alpha, limit)
+    ctx.save_for_backward(gate_up, counts)
+
+
+def _zone_glu_backward(ctx, grad_h):
+    gate_up, counts = ctx.saved_tensors
+    return torch.ops.te_ep.zone_glu_bwd(grad_h.contiguous(), gate_up, counts, *ctx.spec), None, None, None, None, None
+
+
+torch.library.register_autograd("te_ep::zone_glu", _zone_glu_backward, setup_context=_zone_glu_setup)
+
+
+def _zone_bias_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[2])
+
+
+def _zone_bias_backward(ctx, grad):
+    (counts,) = ctx.saved_tensors
+    return grad, torch.ops.te_ep.zone_bias_bwd(grad.contiguous(), counts), None
+
+
+torch.library.register_autograd("te_ep::zone_bias", _zone_bias_backward, setup_context=_zone_bias_setup)
+
+
+def _zone_scale_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _zone_scale_backward(ctx, grad):
+    y, weights, counts = ctx.saved_tensors
+    grad_y, grad_w = torch.ops.te_ep.zone_scale_bwd(grad.contiguous(), y, weights, counts)
+    return grad_y, grad_w, None
+
+
+torch.library.register_autograd("te_ep::zone_scale", _zone_scale_backward, setup_context=_zone_scale_setup)

@@ -26,6 +26,7 @@ from .group import EpGroup, EpHandle
 from .ops import FP8_BLOCK, dequantize_fp8, quantize_fp8
 from .overlap import comm_stream_for, join, launch
 from .permutation import permute, unpermute, worst_case_capacity
+from .zones import expert_ffn, weighted_for_combine, zone_scale
 
 __all__ = [
     "EXPERT_IMPLS",
@@ -398,7 +399,7 @@ class GroupedExperts(nn.Module):
         return "grouped_mm" if grouped_mm_supported(device, dtype, self.hidden, self.ffn_hidden) else "loop"
 
     def forward(self, x: Tensor, expert_counts: Tensor) -> Tensor:
-        """Runs the local experts.
+        """Runs the local experts (:func:`te_ep_torch.zones.expert_ffn`).
 
         Args:
             x: ``[rows, hidden]`` expert-major zones (zone ``e`` starts at
@@ -406,7 +407,8 @@ class GroupedExperts(nn.Module):
             expert_counts: ``[E_local]`` int32 rows per zone, padding included.
 
         Returns:
-            ``[rows, hidden]``; rows outside the zones are zero, padding rows stay zero.
+            ``[rows, hidden]``; padding rows zero, rows past the zones unspecified (never
+            computed: the work follows the rows in use, not ``rows``).
         """
         w_gate, w_up, w_down = _local(self.w_gate), _local(self.w_up), _local(self.w_down)
         if expert_counts.shape[0] != w_gate.shape[0]:
@@ -414,34 +416,10 @@ class GroupedExperts(nn.Module):
                 f"GroupedExperts: expert_counts has {expert_counts.shape[0]} zones, "
                 f"this rank holds {w_gate.shape[0]} experts"
             )
-        if self.resolved_impl(x.device, x.dtype) == "grouped_mm":
-            return _swiglu_grouped_mm(x, expert_counts, w_gate, w_up, w_down)
-        return _swiglu_loop(x, expert_counts, w_gate, w_up, w_down)
-
-
-def _swiglu_grouped_mm(x: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
-    offs = counts.cumsum(0, dtype=torch.int32)
-    # The grouped GEMM leaves rows past the last zone unwritten, in its output and in
-    # the gradient of its input; the masks make both zero.
-    used = (torch.arange(x.shape[0], device=x.device) < offs[-1]).unsqueeze(1)
-    x = torch.where(used, x, 0)
-    h = F.silu(torch._grouped_mm(x, w_gate, offs=offs)) * torch._grouped_mm(x, w_up, offs=offs)
-    return torch.where(used, torch._grouped_mm(h, w_down, offs=offs), 0)
-
-
-def _swiglu_loop(x: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
-    ends = counts.cumsum(0)
-    starts = ends - counts
-    rows = torch.arange(x.shape[0], device=x.device)
-    out = torch.zeros(x.shape[0], w_down.shape[2], dtype=x.dtype, device=x.device)
-    # silu(0) * 0 = 0 and there are no biases, so a masked row contributes exactly 0
-    # and the sum over experts equals each row's own expert output.
-    for e in range(w_gate.shape[0]):
-        mine = ((rows >= starts[e]) & (rows < ends[e])).unsqueeze(1)
-        xe = torch.where(mine, x, 0)
-        h = F.silu(xe @ w_gate[e]) * (xe @ w_up[e])
-        out = out + h @ w_down[e]
-    return out
+        # One grouped GEMM for gate and up ([E, hidden, 2 * ffn]); the SwiGLU kernel reads its halves.
+        w_gate_up = torch.cat([w_gate, w_up], dim=2)
+        return expert_ffn(x, expert_counts, w_gate_up, w_down, gate="swiglu",
+                          impl=self.resolved_impl(x.device, x.dtype))
 
 
 class MoE(nn.Module):
@@ -614,8 +592,7 @@ class MoE(nn.Module):
         return (y, routing.aux_loss) if return_aux_loss else y
 
     def _weighted_experts(self, rows: Tensor, row_weights: Tensor, counts: Tensor) -> Tensor:
-        y = self.experts(rows, counts)
-        return (y.float() * row_weights.unsqueeze(1)).to(y.dtype)
+        return zone_scale(self.experts(rows, counts), row_weights, counts)
 
     def _experts_local(self, tokens: Tensor, routing: RouterOutput) -> Tensor:
         alignment = self.zone_alignment(tokens.device, tokens.dtype)
@@ -671,13 +648,7 @@ class MoE(nn.Module):
             shared = shared_expert(tokens)  # the whole of an expert that can't be split
         out = join(comm, dispatched[0])
         rows = out.dequantize(tokens.dtype) if self.dispatch_dtype is not None else out.tokens
-        y = self.experts(rows, out.expert_counts)
-        if handle.mode == "zero_copy" and not torch.compiler.is_compiling():
-            # The weighting writes straight into the window combine reads. Under
-            # torch.compile the plain expression runs and combine copies it in.
-            y = _WeightedIntoBuffer.apply(y, out.weights, handle)
-        else:
-            y = (y.float() * out.weights.unsqueeze(1)).to(y.dtype)
+        y = weighted_for_combine(self.experts(rows, out.expert_counts), out.weights, out.expert_counts, handle)
         combined = launch(comm, lambda: ep_combine(handle, y, tokens.shape[0]), (y,))
         if split:
             shared = shared_expert.down(hidden)  # behind the combine
@@ -724,27 +695,6 @@ class _Fp8RoundTrip(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
         return grad
-
-
-class _WeightedIntoBuffer(torch.autograd.Function):
-    """``(y.float() * w[:, None]).to(y.dtype)`` written into the handle's combine buffer.
-
-    Same values and gradients as the out-of-place expression. Combine consumes the
-    buffer, so the product is not saved; backward needs only ``y`` and ``w``.
-    """
-
-    @staticmethod
-    def forward(ctx, y: Tensor, w: Tensor, handle) -> Tensor:
-        buffer = handle.combine_buffer()
-        torch.mul(y.float(), w.unsqueeze(1), out=buffer)
-        ctx.save_for_backward(y, w)
-        return buffer
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        y, w = ctx.saved_tensors
-        g = grad.float()
-        return (g * w.unsqueeze(1)).to(y.dtype), (g * y.float()).sum(dim=1), None
 
 
 def expert_load_stats(model: nn.Module, global_sum: bool = False, reset: bool = False) -> Dict[str, Tensor]:

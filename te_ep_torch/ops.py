@@ -466,3 +466,76 @@ def _dequantize_fp8_fake(values, scales, dtype):
            f"{op}: scales must have shape [{values.shape[0]}, {values.shape[1] // FP8_BLOCK}], got {tuple(scales.shape)}")
     _check(dtype in _ROW_DTYPES, f"{op}: dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype}")
     return values.new_empty(values.shape, dtype=dtype)
+
+
+# ---- fake kernels: zone ops ----------------------------------------------------------
+
+
+def _check_zone_counts(op: str, counts: Tensor) -> None:
+    _check(counts.dim() == 1 and counts.dtype == torch.int32,
+           f"{op}: counts must be a 1-D torch.int32 tensor of zone sizes, got {counts.dtype} of shape "
+           f"{tuple(counts.shape)}")
+
+
+def _check_gate_up(op: str, gate_up: Tensor, counts: Tensor) -> None:
+    _check_rows(op, "gate_up", gate_up)
+    _check(gate_up.shape[1] % 2 == 0,
+           f"{op}: gate_up must have an even number of columns (gate and up), got shape {tuple(gate_up.shape)}")
+    _check_zone_counts(op, counts)
+
+
+@torch.library.register_fake("te_ep::zone_glu")
+def _zone_glu_fake(gate_up, counts, gate="swiglu", interleaved=False, alpha=1.0, limit=0.0):
+    _check_gate_up("te_ep.zone_glu", gate_up, counts)
+    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+
+@torch.library.register_fake("te_ep::zone_glu_bwd")
+def _zone_glu_bwd_fake(grad_h, gate_up, counts, gate="swiglu", interleaved=False, alpha=1.0, limit=0.0):
+    op = "te_ep.zone_glu_bwd"
+    _check_gate_up(op, gate_up, counts)
+    _check(grad_h.shape == (gate_up.shape[0], gate_up.shape[1] // 2) and grad_h.dtype == gate_up.dtype,
+           f"{op}: grad_h must be {gate_up.dtype} of shape {(gate_up.shape[0], gate_up.shape[1] // 2)}, got "
+           f"{grad_h.dtype} of shape {tuple(grad_h.shape)}")
+    return gate_up.new_empty(gate_up.shape)
+
+
+@torch.library.register_fake("te_ep::zone_bias")
+def _zone_bias_fake(y, bias, counts):
+    op = "te_ep.zone_bias"
+    _check_rows(op, "y", y)
+    _check_zone_counts(op, counts)
+    _check(bias.shape == (counts.shape[0], y.shape[1]) and bias.dtype == y.dtype,
+           f"{op}: bias must be {y.dtype} of shape {(counts.shape[0], y.shape[1])}, got {bias.dtype} of shape "
+           f"{tuple(bias.shape)}")
+    return y.new_empty(y.shape)
+
+
+@torch.library.register_fake("te_ep::zone_bias_bwd")
+def _zone_bias_bwd_fake(grad, counts):
+    _check_rows("te_ep.zone_bias_bwd", "grad", grad)
+    _check_zone_counts("te_ep.zone_bias_bwd", counts)
+    return grad.new_empty((counts.shape[0], grad.shape[1]))
+
+
+def _check_zone_scale(op: str, y: Tensor, weights: Tensor, counts: Tensor) -> None:
+    _check_rows(op, "y", y)
+    _check_probs(op, "weights", weights, (y.shape[0],))
+    _check_zone_counts(op, counts)
+
+
+@torch.library.register_fake("te_ep::zone_scale")
+def _zone_scale_fake(y, weights, counts):
+    _check_zone_scale("te_ep.zone_scale", y, weights, counts)
+    return y.new_empty(y.shape)
+
+
+@torch.library.register_fake("te_ep::zone_scale_into")
+def _zone_scale_into_fake(y, weights, counts, out):
+    _check_zone_scale("te_ep.zone_scale_into", y, weights, counts)
+
+
+@torch.library.register_fake("te_ep::zone_scale_bwd")
+def _zone_scale_bwd_fake(grad, y, weights, counts):
+    _check_zone_scale("te_ep.zone_scale_bwd", y, weights, counts)
+    return y.new_empty(y.shape), weights.new_empty(weights.shape)

@@ -54,7 +54,7 @@ from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher  #
 from torchtitan.protocols.module import Module, ModuleDict  # noqa: E402
 
 import te_ep_torch  # noqa: E402,F401
-from te_ep_torch.integrations.torchtitan import TeEpTokenDispatcher, te_ep_dispatcher  # noqa: E402
+from te_ep_torch.integrations.torchtitan import TeEpTokenDispatcher, te_ep_dispatcher, te_ep_experts  # noqa: E402
 
 DIM, FFN, NUM_EXPERTS, TOP_K, SEQ = 32, 64, 8, 2, 24
 SCENARIOS = ("random", "uneven", "one_rank")
@@ -109,10 +109,13 @@ def _bias(scenario: str, ep: int) -> torch.Tensor:
 
 
 def _moe_config(dispatcher_cfg, dim: int = DIM) -> MoE.Config:
+    experts_cfg = GroupedExperts.Config(dim=dim, hidden_dim=FFN, num_experts=NUM_EXPERTS)
+    if isinstance(dispatcher_cfg, TeEpTokenDispatcher.Config):
+        experts_cfg = te_ep_experts(experts_cfg)  # what use_te_ep selects with the dispatcher
     cfg = MoE.Config(
         num_experts=NUM_EXPERTS,
         routed_experts=RoutedExperts.Config(
-            inner_experts=GroupedExperts.Config(dim=dim, hidden_dim=FFN, num_experts=NUM_EXPERTS),
+            inner_experts=experts_cfg,
             token_dispatcher=dispatcher_cfg,
         ),
         router=TokenChoiceTopKRouter.Config(

@@ -223,10 +223,12 @@ def test_bench_moe_layer_cpu(tmp_path):
                    for line in output.splitlines()), f"no passing verify line for {q!r}:\n{output}"
     assert "MISMATCH" not in output and "FAILED" not in output, output
     assert [(r["block"], r["backend"]) for r in rows] == [
-        ("native", "-"), ("te_ep", "reference"), ("compute", "reference")]
+        ("native", "-"), ("te_ep", "reference"), ("te_ep-default", "reference"), ("compute", "reference")]
     assert float(rows[0]["speedup"]) == 1.0
     assert all(float(r["step_ms"]) > 0 and float(r["tokens_per_s_per_gpu"]) > 0 for r in rows)
-    te_ep, compute = rows[1], rows[2]
+    # The default-capacity row: the same block with the worst-case capacity.
+    assert int(rows[2]["capacity"]) > int(rows[1]["capacity"]), rows
+    te_ep, compute = rows[1], rows[3]
     exposed = float(te_ep["exposed_comm_ms"])
     assert abs(exposed - (float(te_ep["step_ms"]) - float(compute["step_ms"]))) < 1e-9
     assert (f"exposed comm te_ep[reference]: fwd+bwd {float(te_ep['step_ms']):.3f} - {float(compute['step_ms']):.3f}"
@@ -242,7 +244,8 @@ def test_bench_moe_layer_cpu_shared_expert_and_overlap(tmp_path):
             f"{q} not verified for both te_ep blocks:\n{output}")
     assert "MISMATCH" not in output and "FAILED" not in output, output
     assert [(r["block"], r["backend"]) for r in rows] == [
-        ("native", "-"), ("te_ep", "reference"), ("te_ep-overlap", "reference"), ("compute", "reference")]
+        ("native", "-"), ("te_ep", "reference"), ("te_ep-default", "reference"), ("te_ep-overlap", "reference"),
+        ("compute", "reference")]
     assert "exposed comm te_ep-overlap[reference]" in output, output
 
 
@@ -252,7 +255,8 @@ def test_bench_moe_layer_cpu_fp8(tmp_path):
     assert "verify te_ep-fp8[reference] vs native (relative L2 tolerance 0.08" in output, output
     assert "MISMATCH" not in output and "FAILED" not in output, output
     assert [(r["block"], r["backend"]) for r in rows] == [
-        ("native", "-"), ("te_ep", "reference"), ("te_ep-fp8", "reference"), ("compute", "reference")]
+        ("native", "-"), ("te_ep", "reference"), ("te_ep-default", "reference"), ("te_ep-fp8", "reference"),
+        ("compute", "reference")]
     assert "exposed comm te_ep-fp8[reference]" in output, output
 
 
@@ -261,13 +265,13 @@ def test_bench_moe_layer_cpu_bf16_grouped_mm(tmp_path):
                               "--alignment", "8", "--top-k", "3")
     assert "resolves to reference, already measured" in output, output
     assert "MISMATCH" not in output, output
-    assert [r["gemm"] for r in rows] == ["grouped_mm", "grouped_mm", "grouped_mm"]
-    assert [r["dtype"] for r in rows] == ["bf16", "bf16", "bf16"]
+    assert [r["gemm"] for r in rows] == ["grouped_mm"] * 4
+    assert [r["dtype"] for r in rows] == ["bf16"] * 4
 
 
 def test_bench_moe_layer_cpu_without_compute_only(tmp_path):
     output, rows = _run_bench(tmp_path, "--no-compute-only")
-    assert [r["block"] for r in rows] == ["native", "te_ep"] and "exposed comm" not in output, output
+    assert [r["block"] for r in rows] == ["native", "te_ep", "te_ep-default"] and "exposed comm" not in output, output
 
 
 # ---- benchmarks/bench_quantize.py (one process, --device cpu) ----------------------------------

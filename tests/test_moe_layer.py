@@ -50,12 +50,13 @@ def test_experts_match_per_zone_reference(impl):
     ref_w = [p.detach().clone().requires_grad_(True) for p in (experts.w_gate, experts.w_up, experts.w_down)]
     x_ref = x.detach().clone().requires_grad_(True)
     ref = reference_experts(x_ref, counts, *ref_w)
-    torch.testing.assert_close(y, ref, **F32)
-    assert y[int(counts.sum()) :].abs().max() == 0, "rows after the last zone must be zero"
+    # Rows past the last zone are unspecified (never computed): the zones are compared.
+    total = int(counts.sum())
+    torch.testing.assert_close(y[:total], ref[:total], **F32)
     g = torch.randn_like(y)
     y.backward(g)
     ref.backward(g)
-    torch.testing.assert_close(x.grad, x_ref.grad, **F32)
+    torch.testing.assert_close(x.grad[:total], x_ref.grad[:total], **F32)
     for p, r in zip((experts.w_gate, experts.w_up, experts.w_down), ref_w):
         torch.testing.assert_close(p.grad, r.grad, **F32)
 
@@ -70,7 +71,7 @@ def test_experts_grouped_mm_bfloat16_matches_loop():
             a.copy_(b)
     x, counts = _zones([16, 32, 0], 16, 64, 16, torch.float32)
     torch.testing.assert_close(
-        gmm(x.bfloat16(), counts).float(), loop(x, counts), atol=2e-2, rtol=2e-2
+        gmm(x.bfloat16(), counts)[:48].float(), loop(x, counts)[:48], atol=2e-2, rtol=2e-2
     )
 
 

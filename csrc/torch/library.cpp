@@ -69,6 +69,28 @@ TORCH_LIBRARY(te_ep, m) {
   m.def("quantize_fp8(Tensor x, bool pow2_scales=False) -> (Tensor values, Tensor scales)");
   m.def("dequantize_fp8(Tensor values, Tensor scales, ScalarType dtype) -> Tensor");
 
+  // ---- zone ops (local): the glue between dispatch and combine --------------
+  // Row-wise work on an expert-major buffer bounded by the rows in use
+  // (counts [E_local] int32 zone sizes summed on the device); rows past them
+  // are not written (docs/ops.md, "Zone ops"). Added in 0.3.0.
+  // h = gate(gate_up) [rows, F] from gate_up [rows, 2F]: gate "swiglu"
+  // (silu(g) * u) or "clamped_swiglu" (gpt-oss: alpha, limit); halves
+  // [g | u] or interleaved columns.
+  m.def(
+      "zone_glu(Tensor gate_up, Tensor counts, str gate=\"swiglu\", bool interleaved=False, float alpha=1.0, "
+      "float limit=0.0) -> Tensor");
+  m.def(
+      "zone_glu_bwd(Tensor grad_h, Tensor gate_up, Tensor counts, str gate=\"swiglu\", bool interleaved=False, "
+      "float alpha=1.0, float limit=0.0) -> Tensor");
+  // y [rows, N] + bias [E_local, N] of each row's zone; its backward's bias gradient.
+  m.def("zone_bias(Tensor y, Tensor bias, Tensor counts) -> Tensor");
+  m.def("zone_bias_bwd(Tensor grad, Tensor counts) -> Tensor");
+  // y * weights[:, None] in float32, rounded to y's dtype (the routing-score
+  // weighting before combine); _into writes it into `out` (a combine window).
+  m.def("zone_scale(Tensor y, Tensor weights, Tensor counts) -> Tensor");
+  m.def("zone_scale_into(Tensor y, Tensor weights, Tensor counts, Tensor(a!) out) -> ()");
+  m.def("zone_scale_bwd(Tensor grad, Tensor y, Tensor weights, Tensor counts) -> (Tensor grad_y, Tensor grad_weights)");
+
   // ---- permutation (local, no communication) --------------------------------
   // BEGIN permutation schemas
   // Expert-major permutation of tokens [T, H] by routing (int [T, K] expert

@@ -35,6 +35,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 try:
     from torchtitan.config.override import derive, override
@@ -50,22 +51,29 @@ except ImportError as exc:  # pragma: no cover - exercised only without torchtit
         "docstring_parser==0.18.0 (docs/torchtitan.md)"
     ) from exc
 
+from torchtitan.models.common.moe import GroupedExperts
+
 from ..autograd import ep_combine, ep_dispatch, ep_dispatch_fp8
 from ..group import BACKENDS, CHECKS, NCCL_EP_MODES, EpHandle
-from ..moe import GROUPED_MM_ALIGNMENT
+from ..moe import GROUPED_MM_ALIGNMENT, grouped_mm_supported
 from ..ops import FP8_BLOCK
 from ..parallel import ep_group_for
+from ..zones import expert_ffn, weighted_for_combine
 
 __all__ = [
+    "EXPERTS_OVERRIDE_TARGET",
     "OVERRIDE_TARGET",
     "TeEpDispatchMetadata",
+    "TeEpGroupedExperts",
     "TeEpTokenDispatcher",
     "te_ep_dispatcher",
+    "te_ep_experts",
     "use_te_ep",
 ]
 
-# What a job lists in --override.imports to select this dispatcher.
+# What a job lists in --override.imports to select this dispatcher, and te_ep's experts.
 OVERRIDE_TARGET = f"{__name__}.te_ep_dispatcher"
+EXPERTS_OVERRIDE_TARGET = f"{__name__}.te_ep_experts"
 
 _DTYPES: Dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -96,12 +104,15 @@ class TeEpDispatchMetadata:
         row_weights_R: ``[capacity]`` float32 routing score of each received row, 0 on
             padding rows and unused capacity.
         total: ``[1]`` int32 rows in use (zones, padding included).
+        expert_counts: ``[E_local]`` int32 zone sizes (padding included): what bounds
+            combine's weighting (te_ep_torch.zones).
         num_tokens: ``T`` of the dispatch.
     """
 
     handle: EpHandle
     row_weights_R: Tensor
     total: Tensor
+    expert_counts: Tensor
     num_tokens: int
 
 
@@ -115,9 +126,12 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
     experts, each padded with zero rows to a multiple of ``alignment``, then zero rows
     up to ``capacity``), ``counts [E_local]`` int32 (zone sizes, padding included) and a
     :class:`TeEpDispatchMetadata`. TorchTitan's ``GroupedExperts`` runs its grouped GEMM
-    over the zones; ``combine`` zeroes the rows past the zones (the grouped GEMM leaves
-    them unwritten), multiplies each row by its routing score in float32 (as TorchTitan
-    does) and sums the rows of each token in float32 (``ep_combine``).
+    over the zones; ``combine`` multiplies each row of the zones by its routing score in
+    float32 (as TorchTitan does; :func:`te_ep_torch.zones.weighted_for_combine`, which
+    never touches the rows past the zones) and sums the rows of each token in float32
+    (``ep_combine``). Pair it with :class:`TeEpGroupedExperts` (the ``te_ep_experts``
+    override; :func:`use_te_ep` adds both): TorchTitan's own ``GroupedExperts`` runs its
+    activation over every row of the buffer, whose size is the worst case.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -273,7 +287,8 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
                 raise
             raise ValueError(f"{bad}\n(handle {handle.id} of group '{handle.group.group_name}')") from exc
         metadata = TeEpDispatchMetadata(
-            handle=handle, row_weights_R=out.weights, total=out.total, num_tokens=x_TD.shape[0]
+            handle=handle, row_weights_R=out.weights, total=out.total, expert_counts=out.expert_counts,
+            num_tokens=x_TD.shape[0],
         )
         return rows, out.expert_counts, metadata
 
@@ -286,13 +301,58 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
                 f"TeEpTokenDispatcher.combine: metadata must be the TeEpDispatchMetadata of this dispatcher's "
                 f"dispatch, got {type(metadata).__name__}"
             )
-        rows = routed_output_RD.shape[0]
-        # Rows past the zones: torch._grouped_mm leaves them unwritten (garbage on GPU).
-        # Zeroing them before the product keeps NaN out of the score gradient too.
-        used = torch.arange(rows, device=routed_output_RD.device) < metadata.total
-        y = torch.where(used.unsqueeze(1), routed_output_RD, 0)
-        weighted = (y.float() * metadata.row_weights_R.unsqueeze(1)).to(routed_output_RD.dtype)
+        # Bounded by the rows in use: rows past the zones (which torch._grouped_mm leaves
+        # unwritten) are neither read nor weighted, and get a zero score gradient.
+        weighted = weighted_for_combine(routed_output_RD, metadata.row_weights_R, metadata.expert_counts,
+                                        metadata.handle)
         return ep_combine(metadata.handle, weighted, metadata.num_tokens)
+
+
+class TeEpGroupedExperts(GroupedExperts):
+    """TorchTitan's ``GroupedExperts`` whose forward is te_ep's expert FFN on the zones.
+
+    Same parameters (``w1_EFD``, ``w2_EDF``, ``w3_EFD``), so checkpoints, FSDP and EP
+    sharding are unchanged; the forward computes ``w2(silu(w1 x) * w3 x)`` in bfloat16 as
+    TorchTitan's does, through :func:`te_ep_torch.zones.expert_ffn`: one grouped GEMM for
+    w1 and w3, the SwiGLU kernel, the w2 grouped GEMM, each bounded by the rows in use.
+    TorchTitan's own forward runs its activation over every row of te_ep's receive buffer,
+    whose size is the worst case (every token of every rank): that work grows with the
+    number of GPUs, this one does not. Selected by the :func:`te_ep_experts` override.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        pass
+
+    def forward(self, x_RD: Tensor, num_tokens_per_expert_E: Tensor) -> Tensor:
+        w1, w2, w3 = (_local(p) for p in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+        # [E, F, D] each -> [E, D, 2F]: gate (w1) and up (w3) halves of one grouped GEMM.
+        w13 = torch.cat([w1, w3], dim=1).bfloat16().transpose(-2, -1)
+        x = x_RD.bfloat16()
+        impl = "grouped_mm" if grouped_mm_supported(x.device, x.dtype, *w1.shape[1:]) else "loop"
+        counts = num_tokens_per_expert_E.to(torch.int32)
+        y = expert_ffn(x, counts, w13, w2.bfloat16().transpose(-2, -1), gate="swiglu", impl=impl)
+        return y.type_as(x_RD)
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@override(
+    target=GroupedExperts.Config,
+    exact=True,
+    description="te_ep_torch expert FFN on the receive zones (work bounded by the routed rows)",
+)
+def te_ep_experts(cfg: GroupedExperts.Config) -> TeEpGroupedExperts.Config:
+    """TorchTitan override: ``GroupedExperts`` becomes :class:`TeEpGroupedExperts` (same fields).
+
+    Activate with ``--override.imports te_ep_torch.integrations.torchtitan.te_ep_experts``
+    next to :func:`te_ep_dispatcher`, or :func:`use_te_ep` (which adds both). Only the
+    plain ``GroupedExperts`` is replaced (``exact``): subclasses made by converters (FP8 /
+    MXFP8 grouped GEMMs) keep their own forward.
+    """
+    return derive(cfg, TeEpGroupedExperts.Config)
 
 
 def _check_config(cfg: Any, what: str) -> None:
@@ -392,7 +452,8 @@ def use_te_ep(trainer_config: Any, **options: Any) -> Any:
     Adds the :func:`te_ep_dispatcher` override with ``hidden_dim`` (the model's
     ``dim``), ``num_max_tokens_per_rank`` (``local_batch_size * seq_len / (cp * tp)``,
     as TorchTitan computes it for DeepEP) and ``dtype`` (``mixed_precision_param``)
-    filled in, so the handles exist before ``torch.compile`` traces the layers.
+    filled in, so the handles exist before ``torch.compile`` traces the layers, and the
+    :func:`te_ep_experts` override (the experts' work bounded by the routed rows).
     ``options`` (any :func:`te_ep_dispatcher` kwarg) take precedence. Returns the config.
     """
     training, parallelism = trainer_config.training, trainer_config.parallelism
@@ -406,7 +467,8 @@ def use_te_ep(trainer_config: Any, **options: Any) -> Any:
     imports = trainer_config.override.imports
     for entry in imports:
         name = entry if isinstance(entry, str) else entry[0]
-        if name == OVERRIDE_TARGET:
-            raise ValueError(f"use_te_ep: {OVERRIDE_TARGET} is already in override.imports")
+        if name in (OVERRIDE_TARGET, EXPERTS_OVERRIDE_TARGET):
+            raise ValueError(f"use_te_ep: {name} is already in override.imports")
     imports.append((OVERRIDE_TARGET, kwargs))
+    imports.append(EXPERTS_OVERRIDE_TARGET)
     return trainer_config

@@ -34,7 +34,7 @@ Nothing else in te_ep_torch imports this module or transformers.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -58,10 +58,13 @@ except ImportError as exc:  # pragma: no cover - exercised only with another tra
         "transformers==5.17.0 (docs/transformers.md)"
     ) from exc
 
+from transformers import activations as _activations
+
 from ..autograd import ep_combine, ep_dispatch
 from ..group import BACKENDS, CHECKS, NCCL_EP_MODES, EpGroup, EpHandle
-from ..moe import GROUPED_MM_ALIGNMENT, _WeightedIntoBuffer, grouped_mm_supported
+from ..moe import GROUPED_MM_ALIGNMENT, grouped_mm_supported
 from ..parallel import _flat_dp_mesh, ep_group_for
+from ..zones import expert_ffn, weighted_for_combine
 
 __all__ = [
     "EXPERT_IMPLS",
@@ -74,6 +77,16 @@ __all__ = [
 
 # The name under which transformers' ExpertsInterface finds te_ep's experts forward.
 IMPLEMENTATION = "te_ep"
+
+# The activations whose gate the zone kernels compute (te_ep_torch.zones): SiLU, as torch and
+# transformers (ACT2FN["silu"]) make it, and gpt-oss's clamped SwiGLU, recognised by its function.
+_SILU_TYPES = (nn.SiLU, getattr(_activations, "SiLUActivation", nn.SiLU))
+try:
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts as _GptOssExperts
+
+    _GPT_OSS_APPLY_GATE = _GptOssExperts._apply_gate
+except ImportError:  # pragma: no cover - a transformers without gpt-oss
+    _GPT_OSS_APPLY_GATE = None
 EXPERT_IMPLS = ("auto", "grouped_mm", "loop")
 
 # Parameters of a decorated experts module, by transformers' naming; te_ep shards exactly
@@ -194,55 +207,38 @@ def te_ep_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: T
             raise
         raise ValueError(f"{bad}\n(handle {handle.id} of group '{handle.group.group_name}')") from exc
     y = _run_local_experts(self, out.tokens, out.expert_counts, state.impls[tokens.dtype])
-    if handle.mode == "zero_copy" and not torch.compiler.is_compiling():
-        # The weighting writes straight into the window combine reads (as te_ep_torch.moe.MoE does).
-        y = _WeightedIntoBuffer.apply(y, out.weights, handle)
-    else:
-        y = (y.float() * out.weights.unsqueeze(1)).to(y.dtype)
+    y = weighted_for_combine(y, out.weights, out.expert_counts, handle)
     return ep_combine(handle, y, tokens.shape[0]).reshape(shape)
 
 
 def _run_local_experts(experts: nn.Module, rows: Tensor, counts: Tensor, impl: str) -> Tensor:
-    """The experts of this rank on ``rows [R, H]`` (expert-major zones of ``counts [E_local]`` rows).
-
-    Rows outside the zones come back zero (their routing weight is zero too)."""
+    """The experts of this rank on ``rows [R, H]`` (expert-major zones of ``counts [E_local]`` rows),
+    through :func:`te_ep_torch.zones.expert_ffn`; rows past the zones are unspecified."""
     first = "gate_up_proj" if experts.has_gate else "up_proj"
     w1, w2 = _local(getattr(experts, first)), _local(experts.down_proj)
     b1 = _local(getattr(experts, first + "_bias")) if experts.has_bias else None
     b2 = _local(experts.down_proj_bias) if experts.has_bias else None
     if not experts.is_transposed:  # [E, out, in] -> [E, in, out]
         w1, w2 = w1.transpose(-2, -1), w2.transpose(-2, -1)
-    h = _grouped_linear(rows, w1, b1, counts, impl)
-    h = experts._apply_gate(h) if experts.has_gate else experts.act_fn(h)
-    return _grouped_linear(h, w2, b2, counts, impl).to(rows.dtype)
+    y = expert_ffn(rows, counts, w1, w2, b1=b1, b2=b2, impl=impl, **_gate_of(experts))
+    return y.to(rows.dtype)
 
 
-def _grouped_linear(x: Tensor, w: Tensor, b: Optional[Tensor], counts: Tensor, impl: str) -> Tensor:
-    """``x @ w[e] + b[e]`` for the rows of each zone ``e``; zero past the last zone. ``w [E, in, out]``.
+def _gate_of(experts: nn.Module) -> Dict[str, Any]:
+    """How :func:`~te_ep_torch.zones.expert_ffn` applies this module's activation.
 
-    In ``w``'s dtype: the grouped GEMM is not autocast-aware (transformers' casts alike)."""
-    ends = counts.cumsum(0, dtype=torch.int32)
-    rows = torch.arange(x.shape[0], device=x.device)
-    x = x.to(w.dtype)
-    if impl == "grouped_mm":
-        # The grouped GEMM leaves rows past the last zone unwritten, in its output and in the
-        # gradient of its input: the masks make both zero.
-        used = (rows < ends[-1]).unsqueeze(1)
-        y = torch._grouped_mm(torch.where(used, x, 0), w, offs=ends)
-        if b is not None:
-            y = y + b[torch.searchsorted(ends, rows, right=True).clamp_max(w.shape[0] - 1)]
-        return torch.where(used, y, 0)
-    # One dense GEMM per local expert over the whole buffer, each row kept from its own
-    # expert only: static shapes (torch.compile, CUDA graphs), any device and dtype.
-    starts = ends - counts
-    out = x.new_zeros(x.shape[0], w.shape[2])
-    for e in range(w.shape[0]):
-        mine = ((rows >= starts[e]) & (rows < ends[e])).unsqueeze(1)
-        y = x @ w[e]
-        if b is not None:
-            y = y + b[e]
-        out = torch.where(mine, y, out)
-    return out
+    The gates the zone kernels compute, recognised by the module's own function: the
+    default ``_apply_gate`` with a SiLU activation (Qwen3-MoE, Mixtral, DeepSeek, OLMoE, ...)
+    and gpt-oss's clamped SwiGLU (interleaved columns). Any other activation runs as the
+    module's own function, over every row of the buffer (docs/transformers.md)."""
+    apply_gate = getattr(type(experts), "_apply_gate", None)
+    if experts.has_gate and apply_gate is _default_apply_gate and isinstance(getattr(experts, "act_fn", None),
+                                                                             _SILU_TYPES):
+        return {"gate": "swiglu"}
+    if experts.has_gate and apply_gate is not None and apply_gate is _GPT_OSS_APPLY_GATE:
+        return {"gate": "clamped_swiglu", "interleaved": True, "alpha": float(experts.alpha),
+                "limit": float(experts.limit)}
+    return {"activation": experts._apply_gate if experts.has_gate else experts.act_fn}
 
 
 ExpertsInterface.register(IMPLEMENTATION, te_ep_experts_forward)

@@ -45,6 +45,7 @@ from ..group import EpGroup
 from ..overlap import comm_stream_for, overlapped
 from ..moe import EXPERT_IMPLS, grouped_mm_supported
 from ..permutation import permute, unpermute
+from ..zones import expert_ffn, weighted_for_combine, zone_scale
 
 __all__ = [
     "fwd_bwd",
@@ -171,10 +172,11 @@ class _MoEBase(torch.nn.Module):
         return topk_weights / topk_weights.sum(dim=-1, keepdim=True), topk_idx
 
     def _zone_experts(self, tokens: Tensor, expert_counts: Tensor) -> Tensor:
-        """The experts on expert-major rows in ``E_local`` zones of ``expert_counts`` rows."""
+        """The experts on expert-major rows in ``E_local`` zones of ``expert_counts`` rows:
+        te_ep_torch.zones' expert FFN (work bounded by the rows in use) with the grouped GEMM."""
         if self.gemm == "grouped_mm":
-            offs = expert_counts.cumsum(0, dtype=torch.int32)
-            return swiglu_grouped_mm(tokens, offs, self.w_gate, self.w_up, self.w_down)
+            w_gate_up = torch.cat([self.w_gate, self.w_up], dim=2)
+            return expert_ffn(tokens, expert_counts, w_gate_up, self.w_down, impl="grouped_mm")
         # The loop needs the zone sizes on the host: a sync the grouped GEMM avoids.
         return swiglu_loop(tokens, expert_counts.tolist(), self.w_gate, self.w_up, self.w_down)
 
@@ -377,7 +379,7 @@ class TeEpMoEBlock(_MoEBase):
         rows = out.dequantize() if self.fp8 else out.tokens
         y = self._zone_experts(rows, out.expert_counts)
         # Padding rows have weight 0; rows after the last zone are never read by combine.
-        y = y * out.weights[:, None].to(y.dtype)
+        y = weighted_for_combine(y, out.weights, out.expert_counts, self.handle)
         combined, shared = overlapped(comm, lambda: ep_combine(self.handle, y, x.shape[0]), (y,),
                                       lambda: self._shared_down(hidden))
         return combined if shared is None else combined + shared
@@ -433,8 +435,7 @@ class ComputeOnlyMoEBlock(_MoEBase):
         rows, row_weights, perm_map = permute(
             x, topk_idx % e_local, topk_weights, num_experts=e_local, capacity=capacity, alignment=self.alignment
         )
-        y = self._zone_experts(rows, perm_map.expert_counts)
-        y = y * row_weights[:, None].to(y.dtype)
+        y = zone_scale(self._zone_experts(rows, perm_map.expert_counts), row_weights, perm_map.expert_counts)
         return self._with_shared(unpermute(y, perm_map), x)
 
 

@@ -49,7 +49,9 @@ import transformers  # noqa: E402
 import te_ep_torch  # noqa: E402
 from _dist import Ctx  # noqa: E402
 from _transformers_cases import case_parity  # noqa: E402
+from te_ep_torch import ep_combine, ep_dispatch  # noqa: E402
 from te_ep_torch.integrations.transformers import parallelize_hf_moe  # noqa: E402
+from te_ep_torch.zones import weighted_for_combine  # noqa: E402
 
 TOL = {"float32": 1e-4, "bfloat16": 3e-2}
 
@@ -139,6 +141,12 @@ def time_block(ctx: Ctx, family: str, sizes: dict, tokens: int, args, device: to
         if name.endswith("e_score_correction_bias"):
             b.data = b.data.float()
     parallelize_hf_moe(ours, None, max_tokens_per_rank=tokens, backend=args.backend, dtype=torch.bfloat16)
+    blocks = {"grouped_mm": ref, "te_ep": ours}
+    if args.capacity_factor is not None:
+        fitted = copy.deepcopy(ref)
+        parallelize_hf_moe(fitted, None, max_tokens_per_rank=tokens, backend=args.backend, dtype=torch.bfloat16,
+                           capacity_factor=args.capacity_factor)
+        blocks["te_ep_cf"] = fitted
     gen = torch.Generator(device="cpu").manual_seed(10 + ctx.rank)
     x = torch.randn(1, tokens, sizes["hidden"], generator=gen).to(device, torch.bfloat16)
     grad = torch.randn(1, tokens, sizes["hidden"], generator=gen).to(device, torch.bfloat16)
@@ -158,9 +166,10 @@ def time_block(ctx: Ctx, family: str, sizes: dict, tokens: int, args, device: to
         y_ours = y_ours[0] if isinstance(y_ours, tuple) else y_ours
         rel = ((y_ours.float() - y_ref.float()).abs().max() / y_ref.float().abs().max().clamp_min(1e-12)).item()
 
-    def measure(block) -> float:
+    def measure(block, fn=None) -> float:
+        run = fn if fn is not None else (lambda: step(block))
         for _ in range(args.warmup):
-            step(block)
+            run()
         samples = []
         for _ in range(args.repeats):
             if device.type == "cuda":
@@ -168,28 +177,44 @@ def time_block(ctx: Ctx, family: str, sizes: dict, tokens: int, args, device: to
                 torch.cuda.synchronize()
                 start.record()
                 for _ in range(args.iters):
-                    step(block)
+                    run()
                 end.record()
                 torch.cuda.synchronize()
                 samples.append(start.elapsed_time(end) / args.iters)
             else:
                 t0 = time.perf_counter()
                 for _ in range(args.iters):
-                    step(block)
+                    run()
                 samples.append((time.perf_counter() - t0) * 1e3 / args.iters)
         # The slowest rank sets the step time of a data-parallel job.
         t = torch.tensor([statistics.median(samples)], device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item()
 
-    # Interleaved so drifting clocks hit both alike.
-    times = {"grouped_mm": [], "te_ep": []}
-    for _ in range(2):
-        times["grouped_mm"].append(measure(ref))
-        times["te_ep"].append(measure(ours))
     state = next(m.te_ep for m in ours.modules() if hasattr(m, "te_ep"))
-    result = {"grouped_mm": min(times["grouped_mm"]), "te_ep": min(times["te_ep"]), "rel": rel,
-              "backend": state.group.backend, "impls": sorted(set(state.impls.values()))}
+    handle = state.handle_for(x.reshape(tokens, -1))[0]
+    # Dispatch + combine alone (forward and backward) on this block's shapes, uniform random
+    # top-k routing: the communication the te_ep block adds to the local experts' work.
+    route = torch.Generator(device="cpu").manual_seed(20 + ctx.rank)
+    idx = torch.rand(tokens, sizes["experts"], generator=route).topk(sizes["top_k"], dim=1).indices.to(device)
+    weights = torch.rand(tokens, sizes["top_k"], generator=route).to(device)
+
+    def comm_step():
+        xi = x.reshape(tokens, -1).detach().requires_grad_(True)
+        w = weights.detach().requires_grad_(True)
+        out = ep_dispatch(handle, xi, idx, w)
+        y = ep_combine(handle, weighted_for_combine(out.tokens, out.weights, out.expert_counts, handle), tokens)
+        y.backward(grad.reshape(tokens, -1))
+
+    # Interleaved so drifting clocks hit both alike.
+    times = {name: [] for name in list(blocks) + ["comm"]}
+    for _ in range(2):
+        for name, block in blocks.items():
+            times[name].append(measure(block))
+        times["comm"].append(measure(None, comm_step))
+    result = {name: min(t) for name, t in times.items()}
+    result.update(rel=rel, backend=state.group.backend, impls=sorted(set(state.impls.values())),
+                  capacity=handle.config.capacity)
     te_ep_torch.shutdown_ep_groups()
     return result
 
@@ -207,6 +232,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-equality", action="store_true")
     p.add_argument("--skip-timing", action="store_true")
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help="also time te_ep with parallelize_hf_moe(capacity_factor=...) (te_ep cf column)")
     return p.parse_args()
 
 
@@ -254,15 +281,20 @@ def main() -> int:
             print(f"\nMoE block forward + backward, bfloat16, {tokens} tokens/rank, EP {world} "
                   f"(ms per iteration, median of {args.repeats} x {args.iters} after {args.warmup} warmup; "
                   "max over ranks)")
-            header = (f"{'model':<14}{'block':<24}{'H':>6}{'FFN':>7}{'E':>5}{'K':>3}"
-                      f"{'grouped_mm':>12}{'te_ep':>10}{'te_ep / grouped_mm':>20}  te_ep experts, same output")
+            header = (f"{'model':<14}{'block':<24}{'H':>6}{'FFN':>7}{'E':>5}{'K':>3}{'capacity':>9}"
+                      f"{'grouped_mm':>12}{'te_ep':>10}{'te_ep cf':>10}{'comm':>8}{'te_ep / grouped_mm':>20}"
+                      f"{'(te_ep - gmm) / comm':>22}  te_ep experts, same output")
             print(header)
             print("-" * len(header))
             for family, s, r, close in rows:
+                cf = f"{r['te_ep_cf']:>10.3f}" if "te_ep_cf" in r else f"{'-':>10}"
                 print(f"{family:<14}{s['label']:<24}{s['hidden']:>6}{s['ffn']:>7}{s['experts']:>5}"
-                      f"{s['top_k']:>3}{r['grouped_mm']:>12.3f}{r['te_ep']:>10.3f}"
-                      f"{r['te_ep'] / r['grouped_mm']:>20.2f}  {r['backend']}/{','.join(r['impls'])}, "
+                      f"{s['top_k']:>3}{r['capacity']:>9}{r['grouped_mm']:>12.3f}{r['te_ep']:>10.3f}{cf}"
+                      f"{r['comm']:>8.3f}{r['te_ep'] / r['grouped_mm']:>20.2f}"
+                      f"{(r['te_ep'] - r['grouped_mm']) / r['comm']:>22.2f}  {r['backend']}/{','.join(r['impls'])}, "
                       f"{'yes' if close else 'NO'} ({r['rel']:.1e})", flush=True)
+            print("comm: ep_dispatch + ep_combine alone, forward + backward, on the block's shapes (uniform random "
+                  "routing); te_ep cf: parallelize_hf_moe(capacity_factor=--capacity-factor)")
     te_ep_torch.shutdown_ep_groups()
     dist.barrier()
     dist.destroy_process_group()

@@ -1,0 +1,152 @@
+"""The work between dispatch and combine, written once: experts on the zones of a receive buffer.
+
+After :func:`~te_ep_torch.ep_dispatch` a rank holds ``rows [capacity, H]``: the zones of
+its local experts (``expert_counts [E_local]`` rows each, padding included), then rows
+nothing was routed to. The capacity is sized for the worst case, which grows with every
+GPU; the rows in use follow the routing. Everything here does work bounded by the rows
+in use, summed from the counts on the device (no host sync; capturable; traceable by
+``torch.compile``):
+
+* :func:`grouped_linear`: ``x @ w[e]`` for the rows of each zone (``torch._grouped_mm``,
+  which stops at the last zone, or a masked loop where it has no fast kernel);
+* :func:`zone_bias`, :func:`zone_glu` (the gated activation: SwiGLU, or gpt-oss's
+  clamped one), :func:`zone_scale` (the routing-score weighting before combine): ``te_ep``
+  zone ops, CUDA kernels that stop at the rows in use, their backward too;
+* :func:`expert_ffn`: the expert FFN of ``te_ep_torch.MoE``, the TorchTitan experts and the
+  transformers experts, built from those;
+* :func:`weighted_for_combine`: the weighting, written straight into the combine window
+  of a zero-copy handle.
+
+Rows past the zones are never read or written: their content is unspecified, in the
+outputs and in the gradients. The ops that consume these buffers (``combine``,
+``dispatch``'s backward, ``unpermute``) read only rows that routing filled. docs/ops.md,
+"Zone ops", has the contract.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from . import autograd as _autograd  # noqa: F401  (registers the zone ops' autograd formulas)
+from . import ops as _ops  # noqa: F401  (loads the library and the fake kernels)
+
+__all__ = ["GATES", "expert_ffn", "grouped_linear", "weighted_for_combine", "zone_bias", "zone_glu", "zone_scale"]
+
+# The gated activations the zone kernels compute (docs/ops.md, "Zone ops").
+GATES = ("swiglu", "clamped_swiglu")
+IMPLS = ("grouped_mm", "loop")
+
+
+def zone_glu(gate_up: Tensor, counts: Tensor, gate: str = "swiglu", interleaved: bool = False,
+             alpha: float = 1.0, limit: float = 0.0) -> Tensor:
+    """``[R, F]`` gated activation of ``gate_up [R, 2F]`` on the zones' rows.
+
+    ``gate="swiglu"``: ``silu(g) * u``; ``"clamped_swiglu"`` (gpt-oss):
+    ``(clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g')`` with ``g' = min(g, limit)``.
+    ``g``/``u`` are the halves of a row, or its even/odd columns with ``interleaved``.
+    Each step is rounded to ``gate_up``'s dtype as the eager expression (and its autograd)
+    would round it, so the experts of a model give the results of its own implementation."""
+    return torch.ops.te_ep.zone_glu(gate_up, counts, gate, interleaved, alpha, limit)
+
+
+def zone_bias(y: Tensor, bias: Tensor, counts: Tensor) -> Tensor:
+    """``y [R, N] + bias[e]`` for the rows of each zone ``e`` (``bias [E_local, N]``)."""
+    return torch.ops.te_ep.zone_bias(y, bias, counts)
+
+
+def zone_scale(y: Tensor, weights: Tensor, counts: Tensor) -> Tensor:
+    """``(y.float() * weights[:, None]).to(y.dtype)`` on the zones' rows (``weights [R]`` float32)."""
+    return torch.ops.te_ep.zone_scale(y, weights, counts)
+
+
+def grouped_linear(x: Tensor, w: Tensor, counts: Tensor, impl: str = "grouped_mm") -> Tensor:
+    """``x @ w[e]`` for the rows of zone ``e``; ``x [R, in]``, ``w [E_local, in, out]`` -> ``[R, out]``.
+
+    ``impl="grouped_mm"``: one ``torch._grouped_mm`` (bf16, Hopper+), which leaves the rows
+    past the last zone unwritten, in its output and in its input's gradient.
+    ``"loop"``: a dense GEMM per local expert over the whole buffer, each row kept from its
+    own expert (static shapes, any device and dtype; ``E_local`` times the FLOPs, the
+    fallback where there is no grouped GEMM); rows past the zones come out zero."""
+    if impl not in IMPLS:
+        raise ValueError(f"grouped_linear: impl must be one of {IMPLS}, got {impl!r}")
+    x = x.to(w.dtype)
+    if impl == "grouped_mm":
+        return torch._grouped_mm(x, w, offs=counts.cumsum(0, dtype=torch.int32))
+    ends = counts.cumsum(0)
+    starts = ends - counts
+    rows = torch.arange(x.shape[0], device=x.device)
+    out = x.new_zeros(x.shape[0], w.shape[2])
+    for e in range(w.shape[0]):
+        mine = ((rows >= starts[e]) & (rows < ends[e])).unsqueeze(1)
+        out = torch.where(mine, torch.where(mine, x, 0) @ w[e], out)
+    return out
+
+
+def expert_ffn(
+    rows: Tensor,
+    counts: Tensor,
+    w1: Tensor,
+    w2: Tensor,
+    *,
+    b1: Optional[Tensor] = None,
+    b2: Optional[Tensor] = None,
+    gate: str = "swiglu",
+    interleaved: bool = False,
+    alpha: float = 1.0,
+    limit: float = 0.0,
+    activation: Optional[Callable[[Tensor], Tensor]] = None,
+    impl: str = "grouped_mm",
+) -> Tensor:
+    """The local experts on the zones of ``rows [R, H]``: ``gate(rows @ w1[e] + b1[e]) @ w2[e] + b2[e]``.
+
+    ``w1 [E_local, H, 2F]`` holds the gate and up projections (halves, or interleaved
+    columns), ``w2 [E_local, F, H_out]``; biases ``[E_local, 2F]`` / ``[E_local, H_out]``.
+    ``activation``: a model's own function of the first projection, used instead of the
+    gate kernel (for activations the zone kernels do not compute). It runs over every row
+    of the buffer, so its cost follows the capacity: the one part here that does.
+    Returns ``[R, H_out]`` in ``w2``'s dtype; rows past the zones unspecified."""
+    if activation is None and gate not in GATES:
+        raise ValueError(f"expert_ffn: gate must be one of {GATES}, got {gate!r}")
+    h = grouped_linear(rows, w1, counts, impl)
+    if b1 is not None:
+        h = zone_bias(h, b1, counts)
+    h = activation(h) if activation is not None else zone_glu(h, counts, gate, interleaved, alpha, limit)
+    y = grouped_linear(h, w2, counts, impl)
+    if b2 is not None:
+        y = zone_bias(y, b2, counts)
+    return y
+
+
+class _ScaleIntoWindow(torch.autograd.Function):
+    """:func:`zone_scale` written into a zero-copy handle's combine window (which combine
+    reads in place). Same values and gradients; combine consumes the window, so the
+    product is not saved."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, weights: Tensor, counts: Tensor, handle) -> Tensor:
+        window = handle.combine_buffer()
+        torch.ops.te_ep.zone_scale_into(y, weights, counts, window)
+        ctx.save_for_backward(y, weights, counts)
+        return window
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        y, weights, counts = ctx.saved_tensors
+        grad_y, grad_w = torch.ops.te_ep.zone_scale_bwd(grad.contiguous(), y, weights, counts)
+        return grad_y, grad_w, None, None
+
+
+def weighted_for_combine(y: Tensor, weights: Tensor, counts: Tensor, handle=None) -> Tensor:
+    """The expert rows weighted by their routing scores, ready for :func:`~te_ep_torch.ep_combine`.
+
+    With a zero-copy ``handle`` (eager) and rows of the window's shape and dtype, written
+    into its combine window, which combine then reads without a copy; otherwise (other
+    modes, under ``torch.compile``) a new tensor, which combine checks as any input."""
+    if handle is not None and handle.mode == "zero_copy" and not torch.compiler.is_compiling():
+        cfg = handle.config
+        if tuple(y.shape) == (cfg.capacity, cfg.hidden) and y.dtype == cfg.dtype:
+            return _ScaleIntoWindow.apply(y, weights, counts, handle)
+    return zone_scale(y, weights, counts)

@@ -1,0 +1,211 @@
+"""te_ep_torch.zones and the te_ep.zone_* ops: values and gradients on the rows in use,
+rows past the zones never written, fake kernels, compile; CPU here, CUDA where present.
+
+The references are plain PyTorch on the rows in use, in float32; the zone ops compute in
+float32 and round once, so float32 results agree to rounding and bfloat16 ones to one
+bfloat16 rounding of the result.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import te_ep_torch  # noqa: F401  (loads the library)
+from te_ep_torch.zones import expert_ffn, grouped_linear, weighted_for_combine, zone_bias, zone_glu, zone_scale
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+SENTINEL = 12345.0
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def _counts(device, sizes=(3, 0, 5, 2)):
+    return torch.tensor(sizes, dtype=torch.int32, device=device)
+
+
+def _rows(n, cols, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, cols, generator=gen).to(dtype=dtype, device=device)
+
+
+def _glu_ref(gate_up, gate, interleaved, alpha, limit):
+    x = gate_up.float()
+    f = x.shape[1] // 2
+    g, u = (x[:, 0::2], x[:, 1::2]) if interleaved else (x[:, :f], x[:, f:])
+    if gate == "swiglu":
+        return F.silu(g) * u
+    g = g.clamp(max=limit)
+    u = u.clamp(-limit, limit)
+    return (u + 1) * g * torch.sigmoid(g * alpha)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gate,interleaved", [("swiglu", False), ("swiglu", True), ("clamped_swiglu", True)])
+def test_zone_glu_values_and_gradient(device, dtype, gate, interleaved):
+    counts = _counts(device)
+    total = int(counts.sum())
+    alpha, limit = 1.702, 1.5  # limit small enough that the clamps bite on randn inputs
+    gate_up = (_rows(total + 6, 16, dtype, device) * 2).requires_grad_()
+    h = zone_glu(gate_up, counts, gate, interleaved, alpha, limit)
+    assert h.shape == (total + 6, 8) and h.dtype == dtype
+    ref_in = gate_up.detach()[:total].float().requires_grad_()
+    ref = _glu_ref(ref_in, gate, interleaved, alpha, limit)
+    torch.testing.assert_close(h[:total].float(), ref, **TOL[dtype])
+    grad_h = _rows(total + 6, 8, dtype, device, seed=1)
+    (grad,) = torch.autograd.grad(h, gate_up, grad_h)
+    ref.backward(grad_h[:total].float())
+    torch.testing.assert_close(grad[:total].float(), ref_in.grad, **TOL[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zone_ops_do_not_write_past_the_zones(device):
+    """The rows past the zones of an output are not written (their work is not done)."""
+    counts = _counts(device)
+    total = int(counts.sum())
+    y = _rows(total + 4, 8, torch.float32, device)
+    w = torch.rand(total + 4, device=device)
+    out = torch.full_like(y, SENTINEL)
+    torch.ops.te_ep.zone_scale_into(y, w, counts, out)
+    torch.testing.assert_close(out[:total], y[:total] * w[:total, None])
+    assert (out[total:] == SENTINEL).all()
+    grad_y, grad_w = torch.ops.te_ep.zone_scale_bwd(y, y, w, counts)
+    assert (grad_w[total:] == 0).all(), "the weights' gradient is zero past the zones"
+    torch.testing.assert_close(grad_w[:total], (y[:total] * y[:total]).sum(1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zone_bias_and_scale_gradients(device, dtype):
+    counts = _counts(device)
+    total = int(counts.sum())
+    zone = torch.repeat_interleave(torch.arange(4, device=device), counts.long())
+    y = _rows(total + 3, 8, dtype, device).requires_grad_()
+    bias = _rows(4, 8, dtype, device, seed=2).requires_grad_()
+    w = torch.rand(total + 3, device=device, requires_grad=True)
+    out = zone_scale(zone_bias(y, bias, counts), w, counts)
+    grad_out = _rows(total + 3, 8, dtype, device, seed=3)
+    gy, gb, gw = torch.autograd.grad(out, (y, bias, w), grad_out)
+
+    ry, rb, rw = (t.detach().float().requires_grad_() for t in (y[:total], bias, w[:total]))
+    ref = (ry + rb[zone]) * rw[:, None]
+    torch.testing.assert_close(out[:total].float(), ref, **TOL[dtype])
+    ref.backward(grad_out[:total].float())
+    torch.testing.assert_close(gy[:total].float(), ry.grad, **TOL[dtype])
+    torch.testing.assert_close(gb.float(), rb.grad, **TOL[dtype])
+    torch.testing.assert_close(gw[:total], rw.grad, **TOL[dtype])
+    assert (gw[total:] == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_counts_past_the_buffer_stop_at_its_rows(device):
+    counts = torch.tensor([4, 9], dtype=torch.int32, device=device)
+    y = _rows(6, 4, torch.float32, device)
+    w = torch.ones(6, device=device)
+    torch.testing.assert_close(zone_scale(y, w, counts), y)
+
+
+def test_bad_arguments_name_the_argument():
+    counts = _counts("cpu")
+    y = torch.zeros(10, 8)
+    with pytest.raises(RuntimeError, match="counts must be a 1-D torch.int32"):
+        zone_scale(y, torch.zeros(10), counts.long())
+    with pytest.raises(RuntimeError, match="weights must be a 1-D torch.float32 tensor of 10 rows"):
+        zone_scale(y, torch.zeros(9), counts)
+    with pytest.raises(RuntimeError, match="gate must be 'swiglu' or 'clamped_swiglu'"):
+        zone_glu(y, counts, "gelu")
+    with pytest.raises(RuntimeError, match="gate_up must have an even number of columns"):
+        zone_glu(torch.zeros(10, 7), counts)
+    with pytest.raises(RuntimeError, match=r"bias must have 4 rows"):
+        zone_bias(y, torch.zeros(3, 8), counts)
+    with pytest.raises(RuntimeError, match="limit must be > 0"):
+        zone_glu(y, counts, "clamped_swiglu", True, 1.0, 0.0)
+
+
+def _dense_ffn(x, zone, w1, w2, b1, b2, gate, interleaved, alpha, limit):
+    h = torch.einsum("rh,rhf->rf", x.float(), w1.float()[zone])
+    if b1 is not None:
+        h = h + b1.float()[zone]
+    h = _glu_ref(h, gate, interleaved, alpha, limit)
+    y = torch.einsum("rf,rfo->ro", h, w2.float()[zone])
+    return y if b2 is None else y + b2.float()[zone]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_bias,gate,interleaved", [(False, "swiglu", False), (True, "clamped_swiglu", True)])
+def test_expert_ffn_matches_dense_experts(device, with_bias, gate, interleaved):
+    counts = _counts(device)
+    total = int(counts.sum())
+    zone = torch.repeat_interleave(torch.arange(4, device=device), counts.long())
+    hidden, ffn = 8, 6
+    x = _rows(total + 5, hidden, torch.float32, device).requires_grad_()
+    w1 = (_rows(4 * hidden, 2 * ffn, torch.float32, device, 1).view(4, hidden, 2 * ffn) / 3).requires_grad_()
+    w2 = (_rows(4 * ffn, hidden, torch.float32, device, 2).view(4, ffn, hidden) / 3).requires_grad_()
+    b1 = _rows(4, 2 * ffn, torch.float32, device, 3).requires_grad_() if with_bias else None
+    b2 = _rows(4, hidden, torch.float32, device, 4).requires_grad_() if with_bias else None
+    kw = dict(gate=gate, interleaved=interleaved, alpha=1.702, limit=7.0)
+    y = expert_ffn(x, counts, w1, w2, b1=b1, b2=b2, impl="loop", **kw)
+    ref = _dense_ffn(x[:total], zone, w1, w2, b1, b2, **kw)
+    torch.testing.assert_close(y[:total], ref, rtol=1e-4, atol=1e-4)
+    params = [x, w1, w2] + ([b1, b2] if with_bias else [])
+    g = torch.randn_like(y)
+    grads = torch.autograd.grad(y, params, g)
+    ref_grads = torch.autograd.grad(ref, params, g[:total])
+    for got, want in zip(grads, ref_grads):
+        n = total if got.shape[0] == x.shape[0] else got.shape[0]
+        torch.testing.assert_close(got[:n], want[:n], rtol=1e-4, atol=1e-4)
+
+
+def test_expert_ffn_model_activation():
+    """A model's own activation (no zone kernel for it) runs in place of the gate."""
+    counts = _counts("cpu")
+    total = int(counts.sum())
+    x = _rows(total, 8, torch.float32, "cpu")
+    w1 = _rows(32, 6, torch.float32, "cpu", 1).view(4, 8, 6)
+    w2 = _rows(24, 8, torch.float32, "cpu", 2).view(4, 6, 8)
+    y = expert_ffn(x, counts, w1, w2, activation=F.gelu, impl="loop")
+    zone = torch.repeat_interleave(torch.arange(4), counts.long())
+    ref = torch.einsum("rf,rfo->ro", F.gelu(torch.einsum("rh,rhf->rf", x, w1[zone])), w2[zone])
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="gate must be one of"):
+        expert_ffn(x, counts, w1, w2, gate="relu")
+    with pytest.raises(ValueError, match="impl must be one of"):
+        grouped_linear(x, w1, counts, impl="dense")
+
+
+def test_weighted_for_combine_without_a_window_is_zone_scale():
+    counts = _counts("cpu")
+    y = _rows(12, 4, torch.float32, "cpu")
+    w = torch.rand(12)
+    total = int(counts.sum())
+    torch.testing.assert_close(weighted_for_combine(y, w, counts)[:total], zone_scale(y, w, counts)[:total])
+
+
+@pytest.mark.parametrize(
+    "op,args",
+    [
+        ("zone_glu", lambda c: (torch.randn(10, 8, requires_grad=True), c, "swiglu", False, 1.0, 0.0)),
+        ("zone_glu", lambda c: (torch.randn(10, 8, requires_grad=True), c, "clamped_swiglu", True, 1.7, 7.0)),
+        ("zone_bias", lambda c: (torch.randn(10, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True), c)),
+        ("zone_scale", lambda c: (torch.randn(10, 8, requires_grad=True), torch.rand(10, requires_grad=True), c)),
+        ("zone_scale_bwd", lambda c: (torch.randn(10, 8), torch.randn(10, 8), torch.rand(10), c)),
+    ],
+)
+def test_opcheck(op, args):
+    # Counts that fill the buffer: every output row is then written, so runs compare equal.
+    torch.library.opcheck(getattr(torch.ops.te_ep, op).default, args(_counts("cpu")))
+
+
+def test_compiled_expert_ffn_fullgraph():
+    counts = _counts("cpu")
+    x = _rows(10, 8, torch.float32, "cpu")
+    w1 = _rows(32, 12, torch.float32, "cpu", 1).view(4, 8, 12)
+    w2 = _rows(24, 8, torch.float32, "cpu", 2).view(4, 6, 8)
+    w = torch.rand(10)
+
+    def step(x, counts, w1, w2, w):
+        return zone_scale(expert_ffn(x, counts, w1, w2, impl="loop"), w, counts)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, counts, w1, w2, w), step(x, counts, w1, w2, w))
