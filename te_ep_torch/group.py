@@ -375,8 +375,9 @@ class EpGroup:
         the EP size, the worst case does.
 
         ``factor`` must be a number >= 1.0 (:func:`check_capacity_factor` says why). A step
-        whose routing needs more rows than the capacity raises ``capacity overflow`` on every
-        rank (docs/ops.md, "Capacity").
+        whose routing needs more rows than the capacity raises ``capacity overflow``: on every
+        rank on the reference backend, on ``nccl_ep`` as the handle's check mode says
+        (docs/ops.md, "Capacity").
         """
         return capacity_for_factor(self.ep_size, self.max_tokens_per_rank, top_k, self.num_local_experts, alignment,
                                    factor)

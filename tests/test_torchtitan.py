@@ -97,6 +97,16 @@ def test_matches_all_to_all_dispatcher(pools, world_size, scenario):
     assert "mode='reference'" in results[0]["handle"]
 
 
+def test_capacity_factor_matches_all_to_all_dispatcher(pools):
+    """capacity_factor=1.5: 1.5 x the mean load, top_k 2 x 24 tokens, plus 4 zones x 15 padding
+    rows = 132 receive rows at W=2 (the worst case: 2 x 24 x 2 + 60 = 156), the same layer."""
+    from _torchtitan_cases import case_parity
+
+    results = pools.run(2, case_parity, scenario="random", capacity_factor=1.5, timeout=120)
+    _check_diffs(results, relative=False)
+    assert "capacity=132," in results[0]["handle"], results[0]["handle"]
+
+
 def test_matches_all_to_all_dispatcher_bfloat16(pools):
     from _torchtitan_cases import case_parity
 
@@ -313,7 +323,8 @@ def test_override_keeps_deepep_sizes_and_refuses_fp8():
         (dict(capacity_factor=0.5), r"capacity_factor is now a multiplier of the mean receive load .*got 0.5.*"
                                     r"removed in te_ep_torch 0.3.0.*f x EP size"),
         (dict(capacity_factor=0.0), r"capacity_factor must be None \(the worst case\) or >= 1.0 .*got 0.0"),
-        (dict(capacity_factor="1.25"), r"capacity_factor must be None \(the worst case\) or a finite number .*got '1.25'"),
+        (dict(capacity_factor="1.25"), r"capacity_factor must be None \(the worst case\) or a finite number "
+                                       r".*got '1.25'"),
         (dict(backend="mpi"), "backend must be one of .*got 'mpi'"),
         (dict(dtype="int8"), "dtype must be one of .*got 'int8'"),
         (dict(num_max_tokens_per_rank=0), "num_max_tokens_per_rank must be a positive int or None, got 0"),

@@ -145,8 +145,9 @@ def _zone_step(ctx, handle, step: Step, idx_all: list, w_all: list, r: int) -> d
         off = 0
         for c in counts.tolist():
             real = int((rows[off: off + c, 0] != 0).sum())  # a fingerprint's column 0 is never 0
-            perm = decode_key(rows[off: off + real]).argsort()
-            rows[off: off + real], weights[off: off + real] = rows[off: off + real][perm], weights[off: off + real][perm]
+            zone = slice(off, off + real)
+            perm = decode_key(rows[zone]).argsort()
+            rows[zone], weights[zone] = rows[zone][perm], weights[zone][perm]
             off += c
     return {"expert_counts": counts, "total": out.total.cpu(), "zone rows": rows, "zone weights": weights,
             "combine output": y.detach().cpu(), "tokens grad": x.grad.cpu(), "weights grad": w.grad.cpu()}
