@@ -33,7 +33,7 @@ import torch
 from _dist import REPO, run_torchrun
 
 pytest.importorskip("transformers.integrations.moe", reason="transformers is not installed "
-                    "(scripts/dev_setup.sh installs transformers==5.17.0)")
+                    "(scripts/dev_setup.sh installs transformers==5.24.0)")
 
 TOL = {"float32": 1e-5, "bfloat16": 3e-2}
 

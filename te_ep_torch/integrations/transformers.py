@@ -46,8 +46,8 @@ try:
     import transformers
 except ImportError as exc:  # pragma: no cover - exercised only without transformers
     raise ImportError(
-        "te_ep_torch.integrations.transformers needs Hugging Face transformers (tested with transformers==5.17.0): "
-        "pip install --no-deps transformers==5.17.0 (docs/transformers.md)"
+        "te_ep_torch.integrations.transformers needs Hugging Face transformers 5.17 to 5.24 (CI runs 5.24.0): "
+        "pip install --no-deps transformers==5.24.0 (docs/transformers.md)"
     ) from exc
 try:
     from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
@@ -55,7 +55,7 @@ except ImportError as exc:  # pragma: no cover - exercised only with another tra
     raise ImportError(
         f"te_ep_torch.integrations.transformers: transformers {transformers.__version__} lacks the experts interface "
         "it plugs into (transformers.integrations.moe.ExpertsInterface and its default gate); tested with "
-        "transformers==5.17.0 (docs/transformers.md)"
+        "transformers 5.17.0 and 5.24.0 (docs/transformers.md)"
     ) from exc
 
 from ..autograd import ep_combine, ep_dispatch
