@@ -52,8 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--backend", choices=("auto", "reference", "nccl_ep"), default="auto",
                    help="te_ep backend (cpu always uses reference)")
     p.add_argument("--capacity-factor", type=float, default=None,
-                   help="te_ep receive capacity as a multiplier (>= 1.0, e.g. 1.25) of a rank's mean receive "
-                        "load, top_k x tokens per rank rows, plus zone padding (default: the worst case)")
+                   help="te_ep receive capacity as a fraction of the worst case (default: worst case)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     args = p.parse_args(argv)

@@ -50,8 +50,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without torchtit
         "docstring_parser==0.18.0 (docs/torchtitan.md)"
     ) from exc
 
+from .. import group as _group
 from ..autograd import ep_combine, ep_dispatch, ep_dispatch_fp8
-from ..group import BACKENDS, CHECKS, NCCL_EP_MODES, EpHandle, check_capacity_factor
+from ..group import BACKENDS, CHECKS, NCCL_EP_MODES, EpHandle
 from ..moe import GROUPED_MM_ALIGNMENT
 from ..ops import FP8_BLOCK
 from ..parallel import ep_group_for
@@ -142,9 +143,9 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
                 load of a rank, as in TorchTitan's and Megatron's own configs:
                 ``capacity_factor * top_k * num_max_tokens_per_rank`` rows plus zone
                 padding (:meth:`te_ep_torch.EpGroup.capacity_for_factor`). A step that
-                needs more raises ``capacity overflow`` on every rank (nothing is dropped
-                silently). Values below 1.0 (the old fraction-of-the-worst-case meaning,
-                removed in 0.3.0) are refused.
+                needs more raises ``capacity overflow`` (docs/ops.md, "Capacity"; nothing
+                is dropped silently). Values below 1.0 (the old fraction-of-the-worst-case
+                meaning, removed in 0.3.0) are refused.
             backend: te_ep backend (``"auto"``: NCCL EP on Hopper+ GPUs where it loads,
                 else the torch.distributed ``"reference"`` backend).
             nccl_ep_mode, timeout, checks: :class:`te_ep_torch.EpGroup`'s options
@@ -307,7 +308,7 @@ def _check_config(cfg: Any, what: str) -> None:
     alignment = cfg.alignment
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"{what}: alignment must be a power of two, got {alignment!r}")
-    check_capacity_factor(cfg.capacity_factor, what)
+    _group.check_capacity_factor(cfg.capacity_factor, what)
     if cfg.backend not in BACKENDS:
         raise ValueError(f"{what}: backend must be one of {BACKENDS}, got {cfg.backend!r}")
     if cfg.nccl_ep_mode not in NCCL_EP_MODES:

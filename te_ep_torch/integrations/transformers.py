@@ -58,8 +58,9 @@ except ImportError as exc:  # pragma: no cover - exercised only with another tra
         "transformers 5.17.0 and 5.24.0 (docs/transformers.md)"
     ) from exc
 
+from .. import group as _group
 from ..autograd import ep_combine, ep_dispatch
-from ..group import BACKENDS, CHECKS, NCCL_EP_MODES, EpGroup, EpHandle, check_capacity_factor
+from ..group import BACKENDS, CHECKS, NCCL_EP_MODES, EpGroup, EpHandle
 from ..moe import GROUPED_MM_ALIGNMENT, _WeightedIntoBuffer, grouped_mm_supported
 from ..parallel import _flat_dp_mesh, ep_group_for
 
@@ -352,7 +353,7 @@ def _check_options(**options) -> None:
     alignment = options["alignment"]
     if alignment is not None and (not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1)):
         raise ValueError(f"{what}: alignment must be None or a power of two, got {alignment!r}")
-    check_capacity_factor(options["capacity_factor"], what)
+    _group.check_capacity_factor(options["capacity_factor"], what)
     if options["expert_impl"] not in EXPERT_IMPLS:
         raise ValueError(f"{what}: expert_impl must be one of {EXPERT_IMPLS}, got {options['expert_impl']!r}")
     if options["expert_impl"] == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
@@ -453,8 +454,8 @@ def parallelize_hf_moe(
             mean receive load of a rank, ``top_k * max_tokens_per_rank``, plus zone padding
             (:meth:`te_ep_torch.EpGroup.capacity_for_factor`); ``None`` = the worst case
             (every token of every EP rank here), which no routing overflows. A step that
-            needs more raises ``capacity overflow`` on every rank. Values below 1.0 (the old
-            fraction-of-the-worst-case meaning, removed in 0.3.0) are refused.
+            needs more raises ``capacity overflow`` (docs/ops.md, "Capacity"). Values below
+            1.0 (the old fraction-of-the-worst-case meaning, removed in 0.3.0) are refused.
         expert_impl: how the local experts run on the received rows: ``"grouped_mm"``
             (``torch._grouped_mm``), ``"loop"`` (a dense GEMM per local expert over the
             buffer, any device and dtype) or ``"auto"`` (``grouped_mm`` on CUDA SM90+ in
