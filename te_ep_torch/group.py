@@ -6,6 +6,7 @@ import dataclasses
 import datetime
 import logging
 import math
+import numbers
 import socket
 import warnings
 import weakref
@@ -121,7 +122,7 @@ def check_capacity_factor(factor: object, what: str, same_rows: str = "") -> Non
     fraction of the worst case), whose configurations would otherwise run with other rows."""
     if factor is None:
         return
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor):
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not math.isfinite(factor):
         raise ValueError(f"{what}: capacity_factor must be None (the worst case) or a finite number >= 1.0 (a "
                          f"multiplier of the mean receive load, typically 1.0 to 2.0), got {factor!r}")
     if 0 < factor < 1:
@@ -170,7 +171,7 @@ def _old_fraction_rows(ep_size: int, max_tokens_per_rank: int, top_k: int, num_l
                        factor: object) -> str:
     """The end of the message that refuses a factor of the removed fractional meaning: the
     capacity that fraction gave (of the worst case's token rows, plus padding)."""
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < 1:
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 < factor < 1:
         return ""
     rows = math.ceil(factor * ep_size * max_tokens_per_rank * min(top_k, num_local_experts))
     rows += num_local_experts * (alignment - 1)
