@@ -43,11 +43,15 @@ if ! "$PY" -c "import torchtitan.models.common.token_dispatcher" 2>/dev/null; th
     typeguard==4.6.0 docstring_parser==0.18.0
 fi
 
-# Hugging Face transformers for tests/test_transformers.py (te_ep_torch.integrations.transformers).
-# --no-deps: its torch extra must not replace the torch installed above. Its own requirements
-# follow: the Hugging Face ones at the versions tested, the common ones at transformers' floors.
-if ! "$PY" -c "import transformers.integrations.moe" 2>/dev/null; then
-  "$PY" -m pip install --quiet --no-deps transformers==5.17.0
+# Hugging Face transformers for tests/test_transformers.py (te_ep_torch.integrations.transformers):
+# the newest release torch 2.11 allows (5.24.0 asks torch>=2.6), exactly; the extra takes 5.17 to
+# 5.24 (docs/transformers.md). --no-deps: its torch extra must not replace the torch installed
+# above. Its own requirements follow: the Hugging Face ones at the versions tested, the common
+# ones at transformers' floors.
+TRANSFORMERS_VERSION=5.24.0
+if ! "$PY" -c "import sys, transformers.integrations.moe, transformers as t; sys.exit(t.__version__ != '$TRANSFORMERS_VERSION')" \
+    2>/dev/null; then
+  "$PY" -m pip install --quiet --no-deps "transformers==$TRANSFORMERS_VERSION"
   "$PY" -m pip install --quiet huggingface-hub==1.33.0 tokenizers==0.23.3 safetensors==0.8.0 typer==0.29.2 \
     'regex>=2025.10.22' 'pyyaml>=5.1' 'tqdm>=4.60' 'packaging>=20.0'
 fi

@@ -6,6 +6,7 @@ import dataclasses
 import datetime
 import logging
 import math
+import numbers
 import socket
 import warnings
 import weakref
@@ -106,6 +107,76 @@ def nccl_ep_capacity_floor(max_tokens_per_rank: int) -> int:
     budget, ``max_tokens_per_rank`` rounded up to a multiple of :data:`NCCL_EP_EXPERT_MULTIPLE`.
     The rule is the C++ backend's (``nccl_ep_capacity_floor`` in csrc/torch/backend.h)."""
     return int(torch.ops.te_ep._nccl_ep_capacity_floor(max_tokens_per_rank))
+
+
+def check_capacity_factor(factor: object, what: str, same_rows: str = "") -> None:
+    """The one rule for a ``capacity_factor`` argument (``EpGroup.create_handle``, ``MoE``,
+    ``parallelize_moe_model``, the TorchTitan and transformers integrations): ``None`` (the worst
+    case) or a finite number >= 1.0, else ``ValueError`` naming ``what``. ``same_rows`` ends the
+    message for a value of the removed fractional meaning (what gives its old rows).
+
+    The factor multiplies the mean receive load of a rank (:meth:`EpGroup.capacity_for_factor`).
+    Values below 1.0 are refused rather than taken: they size the buffer below what a balanced
+    routing puts on every rank, so with overflow raising (the only policy; docs/ops.md,
+    "Capacity") the ordinary step would raise; and (0, 1) is the range of the old meaning (a
+    fraction of the worst case), whose configurations would otherwise run with other rows."""
+    if factor is None:
+        return
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not math.isfinite(factor):
+        raise ValueError(f"{what}: capacity_factor must be None (the worst case) or a finite number >= 1.0 (a "
+                         f"multiplier of the mean receive load, typically 1.0 to 2.0), got {factor!r}")
+    if 0 < factor < 1:
+        raise ValueError(
+            f"{what}: capacity_factor is now a multiplier of the mean receive load of a rank (the Megatron/GShard/"
+            "TorchTitan meaning: capacity_factor x top_k x max_tokens_per_rank rows plus zone padding) and must be "
+            f">= 1.0 (typically 1.0 to 2.0; None = the worst case), got {factor!r}. Its old meaning, a fraction of "
+            "the worst case, was removed in te_ep_torch 0.3.0; "
+            + (same_rows or "the old fraction f gives the rows of capacity_factor = f x EP size x min(top_k, experts "
+                            "per rank) / top_k"))
+    if factor < 1:
+        raise ValueError(f"{what}: capacity_factor must be None (the worst case) or >= 1.0 (a multiplier of the mean "
+                         f"receive load, typically 1.0 to 2.0), got {factor!r}")
+
+
+def capacity_for_factor(ep_size: int, max_tokens_per_rank: int, top_k: int, num_local_experts: int, alignment: int,
+                        factor: float) -> int:
+    """:meth:`EpGroup.capacity_for_factor` for any sizes, without a group (e.g. a table of
+    buffer sizes over EP sizes): ``ceil(factor * top_k * max_tokens_per_rank)`` plus every
+    zone's padding, within [:func:`nccl_ep_capacity_floor`, the worst case]."""
+    for name, value in (("ep_size", ep_size), ("max_tokens_per_rank", max_tokens_per_rank), ("top_k", top_k),
+                        ("num_local_experts", num_local_experts), ("alignment", alignment)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"capacity_for_factor: {name} must be a positive int, got {value!r}")
+    if not _is_power_of_two(alignment):
+        raise ValueError(f"capacity_for_factor: alignment must be a power of two, got {alignment!r}")
+    if factor is None:
+        raise ValueError("capacity_for_factor: factor must be a number >= 1.0, got None (the worst case is "
+                         "worst_case_capacity)")
+    check_capacity_factor(factor, "capacity_for_factor", _old_fraction_rows(
+        ep_size, max_tokens_per_rank, top_k, num_local_experts, alignment, factor))
+    rows = math.ceil(factor * top_k * max_tokens_per_rank) + num_local_experts * (alignment - 1)
+    return _within_bounds(rows, ep_size, max_tokens_per_rank, top_k, num_local_experts, alignment)
+
+
+def _within_bounds(rows: int, ep_size: int, max_tokens_per_rank: int, top_k: int, num_local_experts: int,
+                   alignment: int) -> int:
+    """``rows`` raised to NCCL EP's floor and lowered to the worst case (the floor wins where
+    the worst case is below it: top_k=1 at EP size 1)."""
+    floor = nccl_ep_capacity_floor(max_tokens_per_rank)
+    worst = ops.worst_case_capacity(ep_size, max_tokens_per_rank, top_k, num_local_experts, alignment)
+    return min(max(rows, floor), max(floor, worst))
+
+
+def _old_fraction_rows(ep_size: int, max_tokens_per_rank: int, top_k: int, num_local_experts: int, alignment: int,
+                       factor: object) -> str:
+    """The end of the message that refuses a factor of the removed fractional meaning: the
+    capacity that fraction gave (of the worst case's token rows, plus padding)."""
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 < factor < 1:
+        return ""
+    rows = math.ceil(factor * ep_size * max_tokens_per_rank * min(top_k, num_local_experts))
+    rows += num_local_experts * (alignment - 1)
+    rows = _within_bounds(rows, ep_size, max_tokens_per_rank, top_k, num_local_experts, alignment)
+    return f"for the receive rows it gave, pass capacity={rows} instead"
 
 
 def _is_power_of_two(v: int) -> bool:
@@ -289,17 +360,28 @@ class EpGroup:
         return ops.worst_case_capacity(self.ep_size, self.max_tokens_per_rank, top_k, self.num_local_experts, alignment)
 
     def capacity_for_factor(self, top_k: int, alignment: int, factor: float) -> int:
-        """A capacity of ``factor`` (in (0, 1]) times the worst case's token rows,
-        ``W * max_tokens_per_rank * min(top_k, E_local)``, plus every zone's padding, within
-        [NCCL EP's floor, :meth:`worst_case_capacity`]: the framework integrations'
-        ``capacity_factor``. A step that needs more raises ``capacity overflow``."""
-        if not (isinstance(factor, (int, float)) and 0 < factor <= 1):
-            raise ValueError(f"capacity_for_factor: factor must be a float in (0, 1], got {factor!r}")
-        per_token = min(top_k, self.num_local_experts)
-        rows = math.ceil(factor * self.ep_size * self.max_tokens_per_rank * per_token)
-        rows += self.num_local_experts * (alignment - 1)
-        return min(max(rows, nccl_ep_capacity_floor(self.max_tokens_per_rank)),
-                   self.worst_case_capacity(top_k, alignment))
+        """Receive rows for ``capacity_factor=factor``: the one rule behind every
+        ``capacity_factor`` argument (:meth:`create_handle`, ``MoE``, the integrations).
+
+        ``factor`` multiplies the mean receive load of a rank, as ``capacity_factor`` does in
+        Megatron, GShard and TorchTitan: every rank sends ``max_tokens_per_rank`` tokens with
+        ``top_k`` choices each, so a rank receives ``top_k * max_tokens_per_rank`` rows on
+        average. The capacity is ``ceil(factor * top_k * max_tokens_per_rank)`` plus every
+        zone's padding (``num_local_experts * (alignment - 1)``), at least NCCL EP's floor
+        (:func:`nccl_ep_capacity_floor`) and at most :meth:`worst_case_capacity`. E.g. 4096
+        tokens per rank, top-8 of 256 experts, alignment 16, factor 1.25: at 4 ranks (64
+        experts each) ``ceil(1.25 * 8 * 4096) + 64 * 15 = 41920`` rows, against a worst case
+        of ``4 * 4096 * 8 + 960 = 132032``; at 64 ranks (4 experts each) ``40960 + 4 * 15 =
+        41020`` against ``64 * 4096 * 4 + 60 = 1048636``: the mean load does not grow with
+        the EP size, the worst case does.
+
+        ``factor`` must be a number >= 1.0 (:func:`check_capacity_factor` says why). A step
+        whose routing needs more rows than the capacity raises ``capacity overflow``: on every
+        rank on the reference backend, on ``nccl_ep`` as the handle's check mode says
+        (docs/ops.md, "Capacity").
+        """
+        return capacity_for_factor(self.ep_size, self.max_tokens_per_rank, top_k, self.num_local_experts, alignment,
+                                   factor)
 
     def capacity_for(self, topk_idx: Tensor, alignment: int = 1, headroom: float = 0.1) -> int:
         """A capacity fitted to a measured routing (collective).
@@ -352,6 +434,7 @@ class EpGroup:
         dtype: torch.dtype = torch.bfloat16,
         alignment: int = 1,
         capacity: Optional[int] = None,
+        capacity_factor: Optional[float] = None,
         dispatch_dtype: Optional[torch.dtype] = None,
         checks: Optional[str] = None,
     ) -> "EpHandle":
@@ -372,6 +455,10 @@ class EpGroup:
                 rounded up to a multiple of 4, NCCL EP's floor, which the worst case of
                 ``top_k=1`` at EP size 1 can fall below). A step that needs more raises on
                 every rank.
+            capacity_factor: the capacity as a multiplier (>= 1.0, typically 1.0 to 2.0) of
+                the mean receive load of a rank, ``top_k * max_tokens_per_rank`` rows, plus
+                zone padding (:meth:`capacity_for_factor`); at most one of ``capacity`` and
+                ``capacity_factor``. Both ``None``: the worst case.
             dispatch_dtype: ``torch.float8_e4m3fn`` lets the handle dispatch block-scaled
                 FP8 rows as well (:func:`te_ep_torch.ep_dispatch_fp8`; ``hidden`` a multiple
                 of 128, of 512 on ``nccl_ep``); combine and all gradients stay in ``dtype``.
@@ -396,8 +483,18 @@ class EpGroup:
                 raise ValueError(f"create_handle: checks must be one of {CHECKS}, got {checks!r}")
             if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool)):
                 raise ValueError(f"create_handle: capacity must be an int, got {capacity!r}")
+            if capacity is not None and capacity_factor is not None:
+                raise ValueError(f"create_handle: pass capacity (rows) or capacity_factor (a multiplier of the mean "
+                                 f"load), not both; got capacity={capacity!r}, capacity_factor={capacity_factor!r}")
             fitted = capacity
-            if capacity is None and top_k > 0 and _is_power_of_two(alignment):
+            sized = top_k > 0 and _is_power_of_two(alignment)  # else handle_config_error names them
+            if capacity_factor is not None:
+                check_capacity_factor(capacity_factor, "create_handle", _old_fraction_rows(
+                    self.ep_size, self.max_tokens_per_rank, top_k, self.num_local_experts, alignment,
+                    capacity_factor) if sized else "")
+                if sized:
+                    fitted = self.capacity_for_factor(top_k, alignment, capacity_factor)
+            elif capacity is None and sized:
                 fitted = self.worst_case_capacity(top_k, alignment)
                 if self.backend == "nccl_ep":
                     fitted = max(fitted, nccl_ep_capacity_floor(self.max_tokens_per_rank))

@@ -528,6 +528,7 @@ class MoE(nn.Module):
         *,
         dtype: Optional[torch.dtype] = None,
         capacity: Optional[int] = None,
+        capacity_factor: Optional[float] = None,
         checks: Optional[str] = None,
     ) -> None:
         """Dispatches tokens over ``ep_group`` from now on (collective: creates a handle).
@@ -542,8 +543,12 @@ class MoE(nn.Module):
             dtype: dtype of the tokens this layer will see (the compute dtype, e.g.
                 bfloat16 under an FSDP mixed-precision policy); default: the experts'
                 parameter dtype. Call again with another dtype to add a handle.
-            capacity: receive rows per rank; ``None`` = the worst case
-                (``EpGroup.worst_case_capacity``), which no routing can overflow.
+            capacity: receive rows per rank; ``None`` (and no ``capacity_factor``) = the
+                worst case (``EpGroup.worst_case_capacity``), which no routing can overflow.
+            capacity_factor: the receive rows as a multiplier (>= 1.0, typically 1.0 to
+                2.0) of a rank's mean load, ``top_k * max_tokens_per_rank``, plus zone
+                padding (``EpGroup.capacity_for_factor``); not with ``capacity``. A step
+                that needs more rows raises ``capacity overflow`` on every rank.
             checks: the handle's check mode (``EpGroup``'s ``checks``); ``None``: the
                 group's. The group carries ``nccl_ep_mode`` and ``timeout``.
         """
@@ -571,6 +576,7 @@ class MoE(nn.Module):
             dtype=dtype,
             alignment=self.zone_alignment(ep_group.device, dtype),
             capacity=capacity,
+            capacity_factor=capacity_factor,
             dispatch_dtype=self.dispatch_dtype,
             checks=checks,
         )

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from .group import EpGroup
+from .group import EpGroup, check_capacity_factor
 from .moe import MoE
 
 __all__ = [
@@ -129,6 +129,9 @@ class ExpertParallel(ParallelStyle):
             ``"reference"`` or ``"nccl_ep"``.
         dtype: token dtype the layer sees (the compute dtype); default: expert weight dtype.
         capacity: receive rows per rank; default the worst case (never overflows).
+        capacity_factor: the receive rows as a multiplier (>= 1.0) of a rank's mean load,
+            ``top_k * max_tokens_per_rank``, plus zone padding
+            (:meth:`~te_ep_torch.EpGroup.capacity_for_factor`); not with ``capacity``.
         src_data_rank: rank whose weights are scattered; ``None`` keeps each rank's own
             slice of its local (full) weights without communication.
         nccl_ep_mode, timeout, checks: the :class:`EpGroup` options of the layers' group.
@@ -141,6 +144,7 @@ class ExpertParallel(ParallelStyle):
         backend: str = "auto",
         dtype: Optional[torch.dtype] = None,
         capacity: Optional[int] = None,
+        capacity_factor: Optional[float] = None,
         src_data_rank: Optional[int] = 0,
         nccl_ep_mode: str = "staged",
         timeout=None,
@@ -153,7 +157,13 @@ class ExpertParallel(ParallelStyle):
         self.timeout = timeout
         self.checks = checks
         self.dtype = dtype
+        # Checked now: applying the style shards the weights before the handle is made.
+        if capacity is not None and capacity_factor is not None:
+            raise ValueError(f"ExpertParallel: pass capacity (rows) or capacity_factor (a multiplier of the mean "
+                             f"load), not both; got capacity={capacity!r}, capacity_factor={capacity_factor!r}")
+        check_capacity_factor(capacity_factor, "ExpertParallel")
         self.capacity = capacity
+        self.capacity_factor = capacity_factor
         self.src_data_rank = src_data_rank
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -181,7 +191,8 @@ class ExpertParallel(ParallelStyle):
             timeout=self.timeout,
             checks=self.checks,
         )
-        module.enable_expert_parallel(group, dtype=self.dtype, capacity=self.capacity)
+        module.enable_expert_parallel(group, dtype=self.dtype, capacity=self.capacity,
+                                      capacity_factor=self.capacity_factor)
         return module
 
 
@@ -289,6 +300,7 @@ def parallelize_moe_model(
     backend: str = "auto",
     dtype: Optional[torch.dtype] = None,
     capacity: Optional[int] = None,
+    capacity_factor: Optional[float] = None,
     dp_dim: str = "dp",
     ep_dim: str = "ep",
     blocks: Optional[Iterable[nn.Module]] = None,
@@ -301,13 +313,14 @@ def parallelize_moe_model(
     """:class:`ExpertParallel` on ``mesh[ep_dim]`` for every MoE layer, then :func:`apply_fsdp`.
 
     ``dtype`` defaults to ``mp_policy.param_dtype`` (the dtype the experts compute in)
-    and else to the expert weights' dtype. ``nccl_ep_mode``, ``timeout`` and ``checks`` are
+    and else to the expert weights' dtype. ``capacity`` and ``capacity_factor`` are
+    :class:`ExpertParallel`'s; ``nccl_ep_mode``, ``timeout`` and ``checks`` are
     :class:`~te_ep_torch.EpGroup`'s.
     """
     if dtype is None and mp_policy is not None:
         dtype = mp_policy.param_dtype
     style = ExpertParallel(max_tokens_per_rank=max_tokens_per_rank, backend=backend, dtype=dtype, capacity=capacity,
-                           nccl_ep_mode=nccl_ep_mode, timeout=timeout, checks=checks)
+                           capacity_factor=capacity_factor, nccl_ep_mode=nccl_ep_mode, timeout=timeout, checks=checks)
     layers = moe_layers(model)
     if not layers:
         raise ValueError("parallelize_moe_model: the model has no te_ep_torch.moe.MoE layer")

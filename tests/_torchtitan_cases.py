@@ -216,6 +216,7 @@ def case_parity(
     batch: int = 1,
     dim: int = DIM,
     fp8: bool = False,
+    capacity_factor: Optional[float] = None,
 ):
     """Ours vs TorchTitan's all-to-all dispatcher on the same weights and batch.
 
@@ -236,7 +237,7 @@ def case_parity(
         # Handles are created when the EP mesh is wired, before tracing: the sizes must be known.
         sizes = dict(hidden_dim=dim, num_max_tokens_per_rank=batch * SEQ, dtype=dtype)
     ours_cfg = te_ep_dispatcher(AllToAllTokenDispatcher.Config(num_experts=NUM_EXPERTS, top_k=TOP_K),
-                                backend=backend, fp8_dispatch=fp8, **sizes)
+                                backend=backend, fp8_dispatch=fp8, capacity_factor=capacity_factor, **sizes)
     ours = _build(ctx, ours_pd, ours_cfg, dtype=torch_dtype, bias=bias, fsdp=fsdp, dim=dim)
     dispatcher = ours.routed_experts.token_dispatcher
     if not isinstance(dispatcher, TeEpTokenDispatcher) or dispatcher.ep_mesh is None:

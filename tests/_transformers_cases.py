@@ -406,7 +406,7 @@ def case_refusals(ctx):
         "max_tokens": dict(opts, max_tokens_per_rank=0),
         "backend": dict(opts, backend="mpi"),
         "alignment": dict(opts, alignment=3),
-        "capacity_factor": dict(opts, capacity_factor=1.5),
+        "capacity_factor": dict(opts, capacity_factor=0.5),
         "expert_impl": dict(opts, expert_impl="fast"),
         "nccl_ep_mode": dict(opts, nccl_ep_mode="fast"),
         "checks": dict(opts, checks="strict"),

@@ -97,6 +97,16 @@ def test_matches_all_to_all_dispatcher(pools, world_size, scenario):
     assert "mode='reference'" in results[0]["handle"]
 
 
+def test_capacity_factor_matches_all_to_all_dispatcher(pools):
+    """capacity_factor=1.5: 1.5 x the mean load, top_k 2 x 24 tokens, plus 4 zones x 15 padding
+    rows = 132 receive rows at W=2 (the worst case: 2 x 24 x 2 + 60 = 156), the same layer."""
+    from _torchtitan_cases import case_parity
+
+    results = pools.run(2, case_parity, scenario="random", capacity_factor=1.5, timeout=120)
+    _check_diffs(results, relative=False)
+    assert "capacity=132," in results[0]["handle"], results[0]["handle"]
+
+
 def test_matches_all_to_all_dispatcher_bfloat16(pools):
     from _torchtitan_cases import case_parity
 
@@ -283,12 +293,12 @@ def test_override_selects_dispatcher_by_name():
 
     from te_ep_torch.integrations.torchtitan import OVERRIDE_TARGET, TeEpTokenDispatcher
 
-    imports = parse_cli_imports([OVERRIDE_TARGET + '={"num_max_tokens_per_rank": 96, "capacity_factor": 0.5}'])
+    imports = parse_cli_imports([OVERRIDE_TARGET + '={"num_max_tokens_per_rank": 96, "capacity_factor": 1.5}'])
     cfg = _moe_config(AllToAllTokenDispatcher.Config(num_experts=8, top_k=2))
     log = apply_overrides(OverrideConfig(imports=imports), cfg)
     new = cfg.routed_experts.token_dispatcher
     assert isinstance(new, TeEpTokenDispatcher.Config), log
-    assert (new.num_experts, new.top_k, new.num_max_tokens_per_rank, new.capacity_factor) == (8, 2, 96, 0.5)
+    assert (new.num_experts, new.top_k, new.num_max_tokens_per_rank, new.capacity_factor) == (8, 2, 96, 1.5)
     assert any("TeEpTokenDispatcher.Config" in line for line in log), log
     assert isinstance(cfg.build().routed_experts.token_dispatcher, TeEpTokenDispatcher)
 
@@ -310,7 +320,11 @@ def test_override_keeps_deepep_sizes_and_refuses_fp8():
     "kwargs,message",
     [
         (dict(alignment=12), "alignment must be a power of two, got 12"),
-        (dict(capacity_factor=1.5), r"capacity_factor must be None or a float in \(0, 1\], got 1.5"),
+        (dict(capacity_factor=0.5), r"capacity_factor is now a multiplier of the mean receive load .*got 0.5.*"
+                                    r"removed in te_ep_torch 0.3.0.*f x EP size"),
+        (dict(capacity_factor=0.0), r"capacity_factor must be None \(the worst case\) or >= 1.0 .*got 0.0"),
+        (dict(capacity_factor="1.25"), r"capacity_factor must be None \(the worst case\) or a finite number "
+                                       r".*got '1.25'"),
         (dict(backend="mpi"), "backend must be one of .*got 'mpi'"),
         (dict(dtype="int8"), "dtype must be one of .*got 'int8'"),
         (dict(num_max_tokens_per_rank=0), "num_max_tokens_per_rank must be a positive int or None, got 0"),
@@ -337,9 +351,9 @@ def test_use_te_ep_fills_sizes_from_trainer_config():
         model_spec=types.SimpleNamespace(model=types.SimpleNamespace(dim=2048)),
         override=OverrideConfig(),
     )
-    use_te_ep(config, capacity_factor=0.5)
+    use_te_ep(config, capacity_factor=1.25)
     assert config.override.imports == [(OVERRIDE_TARGET, {
-        "hidden_dim": 2048, "num_max_tokens_per_rank": 2048, "dtype": "bfloat16", "capacity_factor": 0.5,
+        "hidden_dim": 2048, "num_max_tokens_per_rank": 2048, "dtype": "bfloat16", "capacity_factor": 1.25,
     })]
     with pytest.raises(ValueError, match="already in override.imports"):
         use_te_ep(config)

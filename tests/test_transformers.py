@@ -33,7 +33,7 @@ import torch
 from _dist import REPO, run_torchrun
 
 pytest.importorskip("transformers.integrations.moe", reason="transformers is not installed "
-                    "(scripts/dev_setup.sh installs transformers==5.17.0)")
+                    "(scripts/dev_setup.sh installs transformers==5.24.0)")
 
 TOL = {"float32": 1e-5, "bfloat16": 3e-2}
 
@@ -156,7 +156,8 @@ def test_refusals_name_what_is_wrong(pools):
         "max_tokens": r"ValueError: .*max_tokens_per_rank must be a positive int .*got 0",
         "backend": r"ValueError: .*backend must be one of .*got 'mpi'",
         "alignment": r"ValueError: .*alignment must be None or a power of two, got 3",
-        "capacity_factor": r"ValueError: .*capacity_factor must be None or a float in \(0, 1\], got 1.5",
+        "capacity_factor": r"ValueError: parallelize_hf_moe: capacity_factor is now a multiplier of the mean receive "
+                           r"load.*got 0.5.*removed in te_ep_torch 0.3.0",
         "expert_impl": r"ValueError: .*expert_impl must be one of .*got 'fast'",
         "nccl_ep_mode": r"ValueError: .*nccl_ep_mode must be one of .*got 'fast'",
         "checks": r"ValueError: .*checks must be one of .*got 'strict'",

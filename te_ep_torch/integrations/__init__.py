@@ -8,7 +8,7 @@ Each submodule imports its framework; this package imports none of them, so
   how to install it without another torch).
 * :mod:`te_ep_torch.integrations.transformers`: a Hugging Face transformers experts
   implementation on the ``te_ep`` ops and ``parallelize_hf_moe`` (docs/transformers.md).
-  Needs ``transformers`` 5.17 (docs/transformers.md says how to install it).
+  Needs ``transformers`` 5.17 to 5.24 (docs/transformers.md says how to install it).
 """
 
 __all__: list = []

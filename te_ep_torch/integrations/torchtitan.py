@@ -53,6 +53,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torchtit
 
 from torchtitan.models.common.moe import GroupedExperts
 
+from .. import group as _group
 from ..autograd import ep_combine, ep_dispatch, ep_dispatch_fp8
 from ..group import BACKENDS, CHECKS, NCCL_EP_MODES, EpHandle
 from ..moe import GROUPED_MM_ALIGNMENT, grouped_mm_supported
@@ -152,9 +153,13 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
                 ``torch._grouped_mm`` 16-byte aligned for bf16, backward included.
             capacity_factor: ``None``: the receive buffer holds the worst case (every
                 token of every rank on this rank's experts: no routing overflows it).
-                A float in (0, 1]: that fraction of the worst case's token rows (plus
-                zone padding); a step that needs more raises ``capacity overflow`` on
-                every rank (nothing is dropped silently).
+                A number >= 1.0 (typically 1.0 to 2.0): a multiplier of the mean receive
+                load of a rank, as in TorchTitan's and Megatron's own configs:
+                ``capacity_factor * top_k * num_max_tokens_per_rank`` rows plus zone
+                padding (:meth:`te_ep_torch.EpGroup.capacity_for_factor`). A step that
+                needs more raises ``capacity overflow`` (docs/ops.md, "Capacity"; nothing
+                is dropped silently). Values below 1.0 (the old fraction-of-the-worst-case
+                meaning, removed in 0.3.0) are refused.
             backend: te_ep backend (``"auto"``: NCCL EP on Hopper+ GPUs where it loads,
                 else the torch.distributed ``"reference"`` backend).
             nccl_ep_mode, timeout, checks: :class:`te_ep_torch.EpGroup`'s options
@@ -211,11 +216,9 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
             self.ep_mesh, num_experts=self.num_experts, max_tokens_per_rank=max_tokens, backend=self.backend,
             **self.group_options,
         )
-        capacity = None
-        if self.capacity_factor is not None:
-            capacity = group.capacity_for_factor(self.top_k, self.alignment, self.capacity_factor)
         handle = group.create_handle(
-            top_k=self.top_k, hidden=hidden, dtype=dtype, alignment=self.alignment, capacity=capacity,
+            top_k=self.top_k, hidden=hidden, dtype=dtype, alignment=self.alignment,
+            capacity_factor=self.capacity_factor,
             dispatch_dtype=torch.float8_e4m3fn if self.fp8_dispatch else None,
         )
         self.hidden_dim, self.num_max_tokens_per_rank = hidden, max_tokens
@@ -365,9 +368,7 @@ def _check_config(cfg: Any, what: str) -> None:
     alignment = cfg.alignment
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"{what}: alignment must be a power of two, got {alignment!r}")
-    factor = cfg.capacity_factor
-    if factor is not None and not (isinstance(factor, (int, float)) and 0 < factor <= 1):
-        raise ValueError(f"{what}: capacity_factor must be None or a float in (0, 1], got {factor!r}")
+    _group.check_capacity_factor(cfg.capacity_factor, what)
     if cfg.backend not in BACKENDS:
         raise ValueError(f"{what}: backend must be one of {BACKENDS}, got {cfg.backend!r}")
     if cfg.nccl_ep_mode not in NCCL_EP_MODES:

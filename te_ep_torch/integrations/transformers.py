@@ -46,8 +46,8 @@ try:
     import transformers
 except ImportError as exc:  # pragma: no cover - exercised only without transformers
     raise ImportError(
-        "te_ep_torch.integrations.transformers needs Hugging Face transformers (tested with transformers==5.17.0): "
-        "pip install --no-deps transformers==5.17.0 (docs/transformers.md)"
+        "te_ep_torch.integrations.transformers needs Hugging Face transformers 5.17 to 5.24 (CI runs 5.24.0): "
+        "pip install --no-deps transformers==5.24.0 (docs/transformers.md)"
     ) from exc
 try:
     from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
@@ -55,11 +55,12 @@ except ImportError as exc:  # pragma: no cover - exercised only with another tra
     raise ImportError(
         f"te_ep_torch.integrations.transformers: transformers {transformers.__version__} lacks the experts interface "
         "it plugs into (transformers.integrations.moe.ExpertsInterface and its default gate); tested with "
-        "transformers==5.17.0 (docs/transformers.md)"
+        "transformers 5.17.0 and 5.24.0 (docs/transformers.md)"
     ) from exc
 
 from transformers import activations as _activations
 
+from .. import group as _group
 from ..autograd import ep_combine, ep_dispatch
 from ..group import BACKENDS, CHECKS, NCCL_EP_MODES, EpGroup, EpHandle
 from ..moe import GROUPED_MM_ALIGNMENT, grouped_mm_supported
@@ -132,11 +133,8 @@ class TeEpExpertsState:
         alignment = self.alignment
         if alignment is None:
             alignment = GROUPED_MM_ALIGNMENT if impl == "grouped_mm" else 1
-        capacity = None
-        if self.capacity_factor is not None:
-            capacity = self.group.capacity_for_factor(self.top_k, alignment, self.capacity_factor)
         handle = self.group.create_handle(top_k=self.top_k, hidden=self.hidden, dtype=dtype, alignment=alignment,
-                                          capacity=capacity)
+                                          capacity_factor=self.capacity_factor)
         self.handles[dtype] = handle
         self.impls[dtype] = impl
         return handle
@@ -351,10 +349,7 @@ def _check_options(**options) -> None:
     alignment = options["alignment"]
     if alignment is not None and (not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1)):
         raise ValueError(f"{what}: alignment must be None or a power of two, got {alignment!r}")
-    factor = options["capacity_factor"]
-    if factor is not None and not (isinstance(factor, (int, float)) and not isinstance(factor, bool)
-                                   and 0 < factor <= 1):
-        raise ValueError(f"{what}: capacity_factor must be None or a float in (0, 1], got {factor!r}")
+    _group.check_capacity_factor(options["capacity_factor"], what)
     if options["expert_impl"] not in EXPERT_IMPLS:
         raise ValueError(f"{what}: expert_impl must be one of {EXPERT_IMPLS}, got {options['expert_impl']!r}")
     if options["expert_impl"] == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
@@ -451,9 +446,12 @@ def parallelize_hf_moe(
             eager use.
         alignment: rows each expert zone is padded to (power of two); ``None``: 16 where
             the experts run ``torch._grouped_mm``, else 1.
-        capacity_factor: receive rows as a fraction in (0, 1] of the worst case (every
-            token of every EP rank here); ``None`` = the worst case, which no routing
-            overflows. A step that needs more raises ``capacity overflow`` on every rank.
+        capacity_factor: receive rows as a multiplier (>= 1.0, typically 1.0 to 2.0) of the
+            mean receive load of a rank, ``top_k * max_tokens_per_rank``, plus zone padding
+            (:meth:`te_ep_torch.EpGroup.capacity_for_factor`); ``None`` = the worst case
+            (every token of every EP rank here), which no routing overflows. A step that
+            needs more raises ``capacity overflow`` (docs/ops.md, "Capacity"). Values below
+            1.0 (the old fraction-of-the-worst-case meaning, removed in 0.3.0) are refused.
         expert_impl: how the local experts run on the received rows: ``"grouped_mm"``
             (``torch._grouped_mm``), ``"loop"`` (a dense GEMM per local expert over the
             buffer, any device and dtype) or ``"auto"`` (``grouped_mm`` on CUDA SM90+ in

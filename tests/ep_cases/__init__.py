@@ -79,7 +79,7 @@ from .fp8 import (
     case_fp8_errors,
     case_fp8_tokens_dtype_one_rank,
 )
-from .lifecycle import case_capacity_for, case_group_api, case_shutdown_reinit, case_subgroups
+from .lifecycle import case_capacity_factor, case_capacity_for, case_group_api, case_shutdown_reinit, case_subgroups
 from .lifetime import (
     case_handle_mode_and_memory,
     case_lifetime_checkpoint,
@@ -136,6 +136,7 @@ CASES = [
     Case("stale_backward", case_stale_backward),
     Case("shutdown_reinit", case_shutdown_reinit),
     Case("capacity_for", case_capacity_for),
+    Case("capacity_factor", case_capacity_factor, world_sizes=(2,)),
     Case("subgroups", case_subgroups),
     Case("opcheck", case_opcheck, (0,), timeout=120),
     Case("opcheck_empty_rank", case_opcheck, (1,), timeout=120),

@@ -11,7 +11,17 @@ import torch.distributed as dist
 import te_ep_torch as te
 from te_ep_torch.group import nccl_ep_capacity_floor
 
-from .common import Step, all_inputs, expect_raises, expected_layout, fingerprint, make_group
+from .common import (
+    Step,
+    all_inputs,
+    check_equal,
+    decode_key,
+    expect_raises,
+    expected_layout,
+    fingerprint,
+    make_group,
+    zone_multiplier,
+)
 from .exact import run_exact_step
 
 
@@ -113,6 +123,96 @@ def case_capacity_for(ctx) -> None:
     words = "expert ids outside [-1," if r == 0 else "rank 0"
     expect_raises(lambda: group.capacity_for(bad), "capacity_for: ", words, exc=ValueError)
     group.shutdown()
+
+
+def _zone_step(ctx, handle, step: Step, idx_all: list, w_all: list, r: int) -> dict:
+    """One dispatch -> expert (a power-of-two scale per zone) -> combine -> backward on
+    ``handle``; what must not depend on the capacity: the rows of every zone (sorted by token
+    where the backend does not order them), their weights, combine's output and the grads."""
+    dev, dtype, El = torch.device(ctx.device), step.torch_dtype(), step.experts_per_rank
+    x = fingerprint(r, step.num_tokens(r), step.hidden, dtype).to(dev).requires_grad_()
+    w = w_all[r].to(dev, copy=True).requires_grad_()
+    out = te.ep_dispatch(handle, x, idx_all[r].to(dev), w)
+    counts = out.expert_counts.cpu()
+    scale = torch.tensor([zone_multiplier(r * El + e) for e in range(El)]).repeat_interleave(counts.to(torch.int64))
+    mult = torch.zeros(handle.config.capacity, 1)
+    mult[: scale.numel(), 0] = scale
+    y = te.ep_combine(handle, out.tokens * mult.to(dev, dtype), x.shape[0])
+    y.backward(fingerprint(r + 50, x.shape[0], step.hidden, dtype).to(dev))
+    total = int(out.total)
+    rows, weights = out.tokens.detach()[:total].cpu(), out.weights.detach()[:total].cpu()
+    if ctx.backend != "reference":  # nccl_ep may order a zone's rows differently
+        off = 0
+        for c in counts.tolist():
+            real = int((rows[off: off + c, 0] != 0).sum())  # a fingerprint's column 0 is never 0
+            zone = slice(off, off + real)
+            perm = decode_key(rows[zone]).argsort()
+            rows[zone], weights[zone] = rows[zone][perm], weights[zone][perm]
+            off += c
+    return {"expert_counts": counts, "total": out.total.cpu(), "zone rows": rows, "zone weights": weights,
+            "combine output": y.detach().cpu(), "tokens grad": x.grad.cpu(), "weights grad": w.grad.cpu()}
+
+
+def case_capacity_factor(ctx) -> None:
+    """capacity_factor (docs/ops.md, "Capacity"): a multiplier of a rank's mean receive load,
+    top_k * max_tokens_per_rank rows, plus zone padding, the same at every EP size; a handle of
+    that capacity runs a step exactly as the worst-case handle does; ExpertParallel forwards
+    it; bad values raise ValueError on every rank, the old fractional ones saying what changed."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from te_ep_torch.parallel import ExpertParallel
+
+    W, r, dev = ctx.world_size, ctx.rank, torch.device(ctx.device)
+    st = Step(top_k=2, hidden=16, tokens=(24, 17), alignment=8, seed=83)  # max_tokens_per_rank 27, 4 experts a rank
+    group = make_group(ctx, st)
+    # By hand: 1.5 x (2 x 27) = 81 rows, plus 4 zones x 7 padding rows; worst case W x 27 x 2 + 28.
+    fitted, worst = 81 + 28, W * 54 + 28
+    assert group.capacity_for_factor(2, 8, 1.5) == fitted, group.capacity_for_factor(2, 8, 1.5)
+    assert group.capacity_for_factor(2, 8, 1.0) == 54 + 28
+    assert group.capacity_for_factor(2, 1, 1.01) == 55  # ceil(1.01 x 54), no padding
+    assert group.capacity_for_factor(2, 8, 100.0) == worst == group.worst_case_capacity(2, 8)  # never above it
+    assert group.capacity_for_factor(1, 1, 1.0) == 28  # 27 rows lifted to NCCL EP's floor (27 rounded up to 4)
+    idx_all, w_all = all_inputs(st, W)
+    need = max(expected_layout(idx_all, q, st.experts_per_rank, st.alignment, 0).total for q in range(W))
+    assert need <= fitted < worst, (need, fitted, worst)
+
+    kw = dict(top_k=st.top_k, hidden=st.hidden, dtype=st.torch_dtype(), alignment=st.alignment)
+    fit = group.create_handle(capacity_factor=1.5, **kw)
+    full = group.create_handle(**kw)
+    assert (fit.config.capacity, full.config.capacity) == (fitted, worst), (fit.config, full.config)
+    got, want = _zone_step(ctx, fit, st, idx_all, w_all, r), _zone_step(ctx, full, st, idx_all, w_all, r)
+    for what in want:
+        if ctx.backend == "reference" or what not in ("combine output", "tokens grad", "weights grad"):
+            check_equal(what, got[what], want[what], f"rank {r} capacity_factor=1.5 vs worst case")
+        else:
+            torch.testing.assert_close(got[what], want[what], atol=3e-2, rtol=3e-2, msg=what)
+    run_exact_step(ctx, group, fit, st, r, W, tag="capacity_factor=1.5 ")
+
+    # Refused on every rank (the ranks agree on create_handle's arguments).
+    old_rows = 27 * W + 28  # what 0.5 meant: half of W x 27 x 2 token rows, plus padding
+    for kwargs, words in (
+        (dict(capacity=fitted, capacity_factor=1.5), ["pass capacity (rows) or capacity_factor", "not both"]),
+        (dict(capacity_factor=0.5), ["capacity_factor is now a multiplier of the mean receive load", "got 0.5",
+                                     "removed in te_ep_torch 0.3.0", f"pass capacity={old_rows} instead"]),
+        (dict(capacity_factor=0.0), ["capacity_factor must be None (the worst case) or >= 1.0", "got 0.0"]),
+        (dict(capacity_factor=True), ["capacity_factor must be None (the worst case) or a finite number", "True"]),
+        (dict(capacity_factor="1.5"), ["finite number", "got '1.5'"]),
+    ):
+        expect_raises(lambda: group.create_handle(**kwargs, **kw), "create_handle: ", *words, exc=ValueError)
+    bad = dict(capacity_factor=0.75) if r == 0 else dict(capacity_factor=1.5)
+    expect_raises(lambda: group.create_handle(**bad, **kw), "create_handle", "got 0.75" if r == 0 else "rank 0",
+                  exc=ValueError)
+    group.shutdown()
+
+    # te.MoE through ExpertParallel: the same capacity for the layer's handle.
+    moe = te.MoE(st.hidden, 8, st.experts_per_rank * W, st.top_k, alignment=st.alignment).to(dev)
+    mesh = init_device_mesh(dev.type, (W,), mesh_dim_names=("ep",))
+    parallelize_module(moe, mesh, ExpertParallel(max_tokens_per_rank=27, backend=ctx.backend, capacity_factor=1.5,
+                                                 **ctx.group_options()))
+    assert [h.config.capacity for h in moe._handles.values()] == [fitted], moe._handles
+    moe(torch.randn(st.num_tokens(r), st.hidden, device=dev)).sum().backward()
+    te.shutdown_ep_groups()
 
 
 def case_shutdown_reinit(ctx) -> None:
