@@ -214,7 +214,7 @@ def test_judge_watchdog_ends():
     watched = Expect(raising="faulty", watchdog="others", watchdog_op="dispatch",
                      faulty_says=("te_ep.dispatch", "tokens"), names_handle=True)
     msg = ("te_ep watchdog: te_ep.dispatch on handle 1 of group '0' (rank 0 of 2) has not finished on GPU 0 "
-           "5.0 s after it was launched")
+           "5.0 s after it was entered on the host")
     ended = lambda **kw: RankRecord(**{**dict(rank=0, status="died", exit_code=WATCHDOG_EXIT_CODE,  # noqa: E731
                                                message=msg, seconds=5.1), **kw})
     faulty = _raised(1, _GOOD[1])
@@ -403,6 +403,10 @@ DOCUMENTED = [
     ("rank_exits_mid_step", "nccl_ep+device", [
         _r(0, "exited", exit_code=INJECTED_EXIT_CODE, seconds=0.0),
         _r(1, "died", _te_ep_watchdog(1, "dispatch"), failed_in="step", seconds=20.1, exit_code=WATCHDOG_EXIT_CODE)]),
+    # the faulty rank's GPU had not done its part of prepare's routing exchange when it exited
+    ("rank_exits_mid_step", "nccl_ep", [
+        _r(0, "exited", exit_code=INJECTED_EXIT_CODE, seconds=0.0),
+        _r(1, "died", _te_ep_watchdog(1, "prepare"), failed_in="step", seconds=19.9, exit_code=WATCHDOG_EXIT_CODE)]),
     ("rank_sleeps_past_timeout", "nccl_ep+check", [
         _r(0, "died", _te_ep_watchdog_host(0, "dispatch"), failed_in="step", seconds=20.0,
            exit_code=WATCHDOG_EXIT_CODE),

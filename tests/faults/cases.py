@@ -46,7 +46,7 @@ from ep_cases.common import (
 from ep_cases.errors import check_collective_error
 from ep_cases.exact import check_sum, run_exact_step
 
-from .expect import Expect, within_timeout
+from .expect import Expect, Substring, within_timeout
 
 # One small step, valid on nccl_ep at any W (4 experts per rank, 32-byte bf16 rows,
 # capacity floor 8); ranks pass different token counts.
@@ -353,6 +353,9 @@ def body_rank_exits_mid_step(f) -> None:
         _check_outputs(f, env, *res, env.idx_all)
 
 
+# The ops te_ep's watchdog may name on the survivors of rank_exits_mid_step (see its declaration).
+EXITS_LATE_OPS = ("dispatch", "prepare")
+
 SLEEP_PAST_TIMEOUT_S = 1.5  # how far past the process group's timeout the faulty rank sleeps
 
 
@@ -507,9 +510,10 @@ NCCL_EP_SYNC_LOST_SHORTFALL = (NOT_MEASURED + "checks='synchronous' agrees on er
 TORCH_ABORT_SLACK_S = 20.0
 
 
-def _watchdog_ends(expect: Expect, op: str, shortfall: str = NCCL_EP_WATCHDOG_SHORTFALL, **changes) -> Expect:
+def _watchdog_ends(expect: Expect, op: Substring, shortfall: str = NCCL_EP_WATCHDOG_SHORTFALL, **changes) -> Expect:
     """Ranks that wait for a lost peer, in `op` on the host or in its kernels, are ended by
-    te_ep's watchdog (csrc/common/watchdog.h) one process-group timeout after they entered `op`."""
+    te_ep's watchdog (csrc/common/watchdog.h) one process-group timeout after they entered `op`
+    (a tuple: the message names one of these ops)."""
     return expect.but(watchdog_op=op, shortfall=shortfall, **changes)
 
 
@@ -706,13 +710,16 @@ CASES = [
             # no torch collective in the step: the survivors' dispatch kernels wait for the
             # lost rank without a limit until te_ep's watchdog ends them one process-group
             # timeout after they entered dispatch (the device mode's agreement runs inside
-            # prepare, which every rank completed before the exit)
-            "nccl_ep": _watchdog_ends(_EXIT_CONTRACT, "dispatch", raising="none", watchdog="others"),
+            # prepare, which every rank completed on the host before the exit). The faulty rank
+            # exits as soon as prepare returns on its host, so its GPU may not have done its part
+            # of prepare's routing exchange: then the survivors' prepare is the op whose GPU work
+            # is late, and the watchdog names it (EXITS_LATE_OPS).
+            "nccl_ep": _watchdog_ends(_EXIT_CONTRACT, EXITS_LATE_OPS, raising="none", watchdog="others"),
             # the survivors wait in dispatch's agreement (a torch all-reduce); te_ep's watchdog
             # counts from their entry into dispatch, so it ends them before torch's would
-            "nccl_ep+check": _watchdog_ends(_EXIT_CONTRACT, "dispatch", NCCL_EP_SYNC_LOST_SHORTFALL, raising="none",
-                                            watchdog="others"),
-            "nccl_ep+device": _watchdog_ends(_EXIT_CONTRACT, "dispatch", raising="none", watchdog="others"),
+            "nccl_ep+check": _watchdog_ends(_EXIT_CONTRACT, EXITS_LATE_OPS, NCCL_EP_SYNC_LOST_SHORTFALL,
+                                            raising="none", watchdog="others"),
+            "nccl_ep+device": _watchdog_ends(_EXIT_CONTRACT, EXITS_LATE_OPS, raising="none", watchdog="others"),
         },
         world_sizes=(2, 3),
         wall=lambda pg: 2 * pg + TORCH_ABORT_SLACK_S + 10,
