@@ -38,6 +38,7 @@ import torch, te_ep_torch  # noqa: F401
 print("watchdog:", te_ep_torch.ops.watchdog_state(),
       "| host-scope watchdog in this build:", hasattr(torch.ops.te_ep, "_watchdog_test_hold"))
 EOF
+env | grep -E "^(CUDA_MODULE_LOADING|CUDA_VISIBLE_DEVICES|NCCL_|TORCH_NCCL|TE_EP_)" 2>&1 | tee -a "$LOG"
 ngpu=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
 log "GPUs: $ngpu; run limit ${RUN_LIMIT_S} s each; PG timeout ${PG_TIMEOUT_S} s"
 

@@ -330,6 +330,12 @@ def _case_main(ctx, case_name: str, config: RunConfig) -> None:
     # GPU work has not finished, one process-group timeout after the host entered the op
     # (EpGroup's default timeout; docs/nccl_ep.md, "Timeouts").
     record_path = os.path.join(ctx.tmp_dir, f"rank{ctx.rank}.json")
+    if config.dump_after_s:
+        import faulthandler
+
+        # faulthandler's own thread needs no GIL: the Python stacks come even where a thread
+        # waits inside a call that holds it; repeated every first interval while the rank lives.
+        faulthandler.dump_traceback_later(config.dump_after_s[0], repeat=True, file=sys.stderr)
     for after_s in config.dump_after_s:
         timer = threading.Timer(after_s, _dump_threads, args=(ctx.rank, after_s))
         timer.daemon = True
@@ -362,14 +368,10 @@ def _case_main(ctx, case_name: str, config: RunConfig) -> None:
 
 
 def _dump_threads(rank: int, after_s: float) -> None:
-    """Where every thread of this rank is: Python stacks (faulthandler), then each native
-    thread as the kernel sees it: name, state, wait channel, system call (``ioctl`` on
-    /dev/nvidia*: inside the CUDA driver; ``futex``: waiting for a lock or a condition)."""
-    import faulthandler
-
-    sys.stderr.write(f"\n=== rank {rank}: threads {after_s:g} s after the body started ===\n")
-    sys.stderr.flush()
-    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    """Where every native thread of this rank is, as the kernel sees it: name (te_ep's watchdog
+    threads are te_ep_wd_check and te_ep_wd_poll), state, wait channel, system call (``ioctl``:
+    inside the CUDA driver; ``futex``: waiting for a lock or a condition). The Python stacks come
+    from faulthandler (see _case_main)."""
     lines = []
     for tid in sorted(os.listdir("/proc/self/task"), key=int):
         fields = []
@@ -385,8 +387,9 @@ def _dump_threads(rank: int, after_s: float) -> None:
         except OSError:
             pass
         lines.append(f"  tid {tid}: " + " ".join(fields))
-    sys.stderr.write("native threads (syscall number: 16 ioctl, 202 futex, 7 poll, 230 clock_nanosleep, 232 epoll_wait):\n"
-                     + "\n".join(lines) + "\n=== end ===\n")
+    sys.stderr.write(f"\n=== rank {rank}: native threads {after_s:g} s after the body started (syscall number: 16 "
+                     "ioctl, 202 futex, 7 poll, 230 clock_nanosleep, 232 epoll_wait) ===\n" + "\n".join(lines)
+                     + "\n=== end ===\n")
     sys.stderr.flush()
 
 
