@@ -246,6 +246,7 @@ void poll() {
     uint64_t id;
     cudaEvent_t event;
     int device;
+    bool asked;  // false: skipped, an earlier marker of its stream is pending
     cudaError_t status;
   };
   constexpr size_t kPerStream = 64;
@@ -259,7 +260,7 @@ void poll() {
       for (size_t i = 0; i < queue.size() && i < kPerStream; ++i) {
         const Marker& m = queue[i];
         if (s.broken_devices.count(m.device) != 0) break;
-        queries.push_back(Query{stream, m.id, m.event, m.device, cudaErrorNotReady});
+        queries.push_back(Query{stream, m.id, m.event, m.device, false, cudaErrorNotReady});
       }
     }
     if (queries.empty()) continue;
@@ -270,6 +271,7 @@ void poll() {
     cudaStream_t skipping = nullptr;  // a stream whose earlier marker is pending
     for (Query& q : queries) {
       if (q.stream == skipping) continue;
+      q.asked = true;
       q.status = cudaEventQuery(q.event);
       if (q.status != cudaSuccess) {
         (void)cudaGetLastError();
@@ -281,7 +283,7 @@ void poll() {
     bool overdue = false;  // a marker past its deadline was found pending: the checker decides now
     for (const Query& q : queries) {
       auto it = s.streams.find(q.stream);
-      if (it == s.streams.end() || it->second.empty() || it->second.front().id != q.id) continue;
+      if (!q.asked || it == s.streams.end() || it->second.empty() || it->second.front().id != q.id) continue;
       Marker& m = it->second.front();
       if (q.status == cudaErrorNotReady) {
         m.seen_pending = started;
@@ -297,6 +299,11 @@ void poll() {
         s.broken_devices.insert(m.device);
       }
       it->second.pop_front();
+    }
+    // Nothing on a broken device will be answered: its markers go.
+    for (auto& [stream, queue] : s.streams) {
+      (void)stream;
+      while (!queue.empty() && s.broken_devices.count(queue.front().device) != 0) queue.pop_front();
     }
     if (overdue) s.wake_checker.notify_all();
   }
