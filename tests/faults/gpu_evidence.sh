@@ -9,8 +9,13 @@
 # checks=synchronous (staged). Every rank dumps the Python stack and the kernel state of every
 # thread (/proc: wait channel, system call) 12 s and 30 s after its body starts (only ranks still
 # alive then do); NCCL_DEBUG=WARN. With 4 GPUs two runs go side by side (GPUs 0,1 and 2,3), else
-# one after the other on GPUs 0,1. Each run is bounded by `timeout` (RUN_LIMIT_S, default 200 s),
-# which ends the harness and every rank it started (one process group).
+# one after the other on GPUs 0,1. First the harness's fault-free warm-up fills NCCL EP's kernel
+# cache (staged and zero-copy; WARM_LIMIT_S, default 300 s), then each fault run is bounded by
+# `timeout` (RUN_LIMIT_S, default 200 s), which ends the harness and every rank it started (one
+# process group). Then: the processes left on the GPUs, a fault-free case on the same GPUs, and
+# the one-GPU watchdog tests (tests/gpu/test_watchdog.py, which check the GPU side of the
+# watchdog's new message). About 5 minutes with 4 GPUs and a warm cache; never more than
+# WARM_LIMIT_S + 2 x RUN_LIMIT_S + 4 minutes (4 GPUs).
 #
 # Writes $OUT/faults_w2.log (everything) and $OUT/faults_w2_summary.txt (one line per case: which
 # limit ended each rank, after how many seconds from the fault). OUT defaults to ./gpu_logs.
@@ -21,6 +26,7 @@ mkdir -p "$OUT"
 LOG="$OUT/faults_w2.log"
 SUMMARY="$OUT/faults_w2_summary.txt"
 RUN_LIMIT_S=${RUN_LIMIT_S:-200}
+WARM_LIMIT_S=${WARM_LIMIT_S:-300}
 PG_TIMEOUT_S=20
 WORK=$(mktemp -d /tmp/te_ep_i35.XXXXXX)
 : > "$LOG"
@@ -56,19 +62,38 @@ run() {
   echo "exit code $? after $(( $(date +%s) - t0 )) s (124: ended by the run limit)" >> "$WORK/$tag.out"
 }
 
+# warm <gpus> <mode>: the harness's fault-free warm-up alone (no case matches -k)
+warm() {
+  local t0
+  t0=$(date +%s)
+  CUDA_VISIBLE_DEVICES=$1 TMPDIR="$WORK" timeout -k 10 "$WARM_LIMIT_S" python3 -m tests.faults --backend nccl_ep \
+    --world-size 2 --nccl-ep-mode "$2" -k no_case_has_this_name > "$WORK/warm_$2.out" 2>&1
+  echo "warm-up ($2) exit code $? after $(( $(date +%s) - t0 )) s" >> "$WORK/warm_$2.out"
+}
+
 mkdir -p "$WORK"/tmp_{local_staged,local_zero_copy,device_staged,synchronous_staged}
 if [ "$ngpu" -ge 4 ]; then
-  { run 0,1 local_staged --checks local --nccl-ep-mode staged
+  warm 0,1 staged &
+  warm 2,3 zero_copy &
+  wait
+  { run 0,1 local_staged --checks local --nccl-ep-mode staged --no-warmup
     run 0,1 device_staged --checks device --nccl-ep-mode staged --no-warmup; } &
-  { run 2,3 local_zero_copy --checks local --nccl-ep-mode zero_copy
+  { run 2,3 local_zero_copy --checks local --nccl-ep-mode zero_copy --no-warmup
     run 2,3 synchronous_staged --checks synchronous --nccl-ep-mode staged --no-warmup; } &
   wait
 else
-  run 0,1 local_staged --checks local --nccl-ep-mode staged
-  run 0,1 local_zero_copy --checks local --nccl-ep-mode zero_copy
+  warm 0,1 staged
+  warm 0,1 zero_copy
+  run 0,1 local_staged --checks local --nccl-ep-mode staged --no-warmup
+  run 0,1 local_zero_copy --checks local --nccl-ep-mode zero_copy --no-warmup
   run 0,1 device_staged --checks device --nccl-ep-mode staged --no-warmup
   run 0,1 synchronous_staged --checks synchronous --nccl-ep-mode staged --no-warmup
 fi
+for mode in staged zero_copy; do
+  log ""
+  log "=============== warm-up $mode ==============="
+  cat "$WORK/warm_$mode.out" >> "$LOG"
+done
 
 for tag in local_staged local_zero_copy device_staged synchronous_staged; do
   log ""
@@ -92,9 +117,14 @@ done
 log ""
 log "=============== after the faults: processes left on the GPUs, then a fault-free case ==============="
 nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv 2>&1 | tee -a "$LOG"
-CUDA_VISIBLE_DEVICES=0,1 timeout -k 10 120 python3 -m tests.faults --backend nccl_ep --world-size 2 \
+CUDA_VISIBLE_DEVICES=0,1 TMPDIR="$WORK" timeout -k 10 90 python3 -m tests.faults --backend nccl_ep --world-size 2 \
   --pg-timeout "$PG_TIMEOUT_S" --controls -k control_no_fault --no-warmup >> "$LOG" 2>&1
 log "control_no_fault exit code $?"
+
+log ""
+log "=============== one GPU: tests/gpu/test_watchdog.py (the GPU side of the watchdog) ==============="
+CUDA_VISIBLE_DEVICES=0 timeout -k 10 150 python3 -m pytest -q tests/gpu/test_watchdog.py >> "$LOG" 2>&1
+log "tests/gpu/test_watchdog.py exit code $?"
 
 {
   echo ""
