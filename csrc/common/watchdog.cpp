@@ -234,12 +234,15 @@ void ensure_checker(State& s) {
 #if TE_EP_WITH_CUDA
 // The thread that asks the GPU: queries the oldest markers of each stream
 // without holding the lock, so a query the driver blocks blocks nobody else.
-void poll() {
+void poll(int device) {
   // Relaxed: this thread's event queries must never count as unsafe calls
   // against a CUDA graph that another thread captures in global mode (torch's
   // default), which would invalidate that capture.
   cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
   (void)cudaThreadExchangeStreamCaptureMode(&mode);
+  // The device of the first watched op (a rank's own GPU): no context made on
+  // another GPU for this thread.
+  if (cudaSetDevice(device) != cudaSuccess) (void)cudaGetLastError();
   pthread_setname_np(pthread_self(), "te_ep_wd_poll");
   struct Query {
     cudaStream_t stream;
@@ -392,7 +395,7 @@ void Op::watch_stream(cudaStream_t stream, int device) {
   s.streams[stream].push_back(std::move(m));
   if (!s.poller_started) {
     s.poller_started = true;
-    std::thread(poll).detach();
+    std::thread(poll, device).detach();
   }
 }
 #endif
