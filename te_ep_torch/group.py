@@ -224,11 +224,12 @@ class EpGroup:
             faster dispatch, a slower ``dispatch_bwd``) or ``"auto"`` (zero-copy where
             every rank can allocate window memory, else staged, with a warning). Each
             handle reports the mode it runs in (:attr:`EpHandle.mode`).
-        timeout: ``nccl_ep`` only: how long an op may take on the GPU (a
+        timeout: ``nccl_ep`` only: how long an op may take, on the host and on the GPU (a
             ``datetime.timedelta`` or seconds). NCCL EP's kernels wait for the other
             ranks without a limit; te_ep's watchdog ends a process whose op has not
-            finished this long after its launch (exit code 70, a message naming the op,
-            handle, group and rank; ``$TE_EP_WATCHDOG``; docs/nccl_ep.md, "Timeouts").
+            returned, or whose op's GPU work has not finished, this long after the host
+            entered the op (exit code 70, a message naming the op, handle, group and
+            rank; ``$TE_EP_WATCHDOG``; docs/nccl_ep.md, "Timeouts").
             ``None``: the process group's own timeout, so a lost rank is detected no
             later than by torch's collectives.
         checks: how the group's handles catch bad routing, capacity overflow, bad op

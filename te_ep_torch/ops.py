@@ -107,10 +107,9 @@ def check_mode(handle_id: int) -> str:
 
 
 def watchdog_state() -> Tuple[str, int, int]:
-    """The nccl_ep watchdog (docs/nccl_ep.md, "Timeouts"): ``(action, markers pending,
-    times fired)``; action is ``$TE_EP_WATCHDOG`` (``"exit"``, ``"warn"``, ``"off"``), or
-    ``"unavailable"`` in a build without CUDA. Raises ``RuntimeError`` naming the variable
-    for any other value of it."""
+    """The nccl_ep watchdog (docs/nccl_ep.md, "Timeouts"): ``(action, ops and markers
+    pending, times fired)``; action is ``$TE_EP_WATCHDOG`` (``"exit"``, ``"warn"``,
+    ``"off"``). Raises ``RuntimeError`` naming the variable for any other value of it."""
     action, pending, fired = torch.ops.te_ep._watchdog_state()
     return str(action), int(pending), int(fired)
 

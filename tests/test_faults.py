@@ -214,7 +214,7 @@ def test_judge_watchdog_ends():
     watched = Expect(raising="faulty", watchdog="others", watchdog_op="dispatch",
                      faulty_says=("te_ep.dispatch", "tokens"), names_handle=True)
     msg = ("te_ep watchdog: te_ep.dispatch on handle 1 of group '0' (rank 0 of 2) has not finished on GPU 0 "
-           "5.0 s after it was launched")
+           "5.0 s after it was entered on the host")
     ended = lambda **kw: RankRecord(**{**dict(rank=0, status="died", exit_code=WATCHDOG_EXIT_CODE,  # noqa: E731
                                                message=msg, seconds=5.1), **kw})
     faulty = _raised(1, _GOOD[1])
@@ -323,7 +323,12 @@ _TORCH_ABORT = ("[rank{r}]:[E ProcessGroupNCCL.cpp:2197] [PG ID 0 PG GUID 0(defa
 
 def _te_ep_watchdog(rank: int, op: str) -> str:
     return (f"te_ep watchdog: te_ep.{op} on handle 1 of group '0' (rank {rank} of 2) has not finished on GPU {rank} "
-            f"{NCCL_PG_S:.1f} s after it was launched")
+            f"{NCCL_PG_S:.1f} s after it was entered on the host")
+
+
+def _te_ep_watchdog_host(rank: int, op: str) -> str:
+    return (f"te_ep watchdog: te_ep.{op} on handle 1 of group '0' (rank {rank} of 2) has not returned on the host "
+            f"{NCCL_PG_S:.1f} s after it was entered")
 
 
 def _r(rank, status, message="", *, failed_in="", output="", seconds=0.05, exit_code=0, recovery=()):
@@ -393,13 +398,20 @@ DOCUMENTED = [
            failed_in="check()", output="zeros", recovery=_OK)]),
     ("rank_exits_mid_step", "nccl_ep+check", [
         _r(0, "exited", exit_code=INJECTED_EXIT_CODE, seconds=0.0),
-        _r(1, "died", _TORCH_ABORT.format(r=1), failed_in="step", seconds=21.0, exit_code=TORCH_ABORT_EXIT_CODE)]),
+        _r(1, "died", _te_ep_watchdog_host(1, "dispatch"), failed_in="step", seconds=20.0,
+           exit_code=WATCHDOG_EXIT_CODE)]),
     ("rank_exits_mid_step", "nccl_ep+device", [
         _r(0, "exited", exit_code=INJECTED_EXIT_CODE, seconds=0.0),
         _r(1, "died", _te_ep_watchdog(1, "dispatch"), failed_in="step", seconds=20.1, exit_code=WATCHDOG_EXIT_CODE)]),
+    # the faulty rank's GPU had not done its part of prepare's routing exchange when it exited
+    ("rank_exits_mid_step", "nccl_ep", [
+        _r(0, "exited", exit_code=INJECTED_EXIT_CODE, seconds=0.0),
+        _r(1, "died", _te_ep_watchdog(1, "prepare"), failed_in="step", seconds=19.9, exit_code=WATCHDOG_EXIT_CODE)]),
     ("rank_sleeps_past_timeout", "nccl_ep+check", [
-        _r(0, "died", _TORCH_ABORT.format(r=0), failed_in="step", seconds=20.5, exit_code=TORCH_ABORT_EXIT_CODE),
-        _r(1, "died", _TORCH_ABORT.format(r=1), failed_in="step", seconds=41.6, exit_code=TORCH_ABORT_EXIT_CODE)]),
+        _r(0, "died", _te_ep_watchdog_host(0, "dispatch"), failed_in="step", seconds=20.0,
+           exit_code=WATCHDOG_EXIT_CODE),
+        _r(1, "died", _te_ep_watchdog_host(1, "dispatch"), failed_in="step", seconds=41.5,
+           exit_code=WATCHDOG_EXIT_CODE)]),
     ("bad_step_then_recovery", "nccl_ep", [
         _r(0, "completed", output="correct", recovery=_OK_BAD_STEP),
         _r(1, "raised", _GUARD, failed_in="check()", output="guarded", recovery=_OK_BAD_STEP)]),
@@ -494,6 +506,39 @@ def test_runner_reads_torch_nccl_watchdog_message_of_a_rank_without_a_record(tmp
     rec, = runner._finish_records([str(path)], [Aborted()], t_stop=30.0, seen_dead={0: 21.0})
     assert rec.status == "died" and rec.exit_code == TORCH_ABORT_EXIT_CODE
     assert "Process group watchdog thread terminated with exception" in rec.message, rec.message
+    assert rec.ended_by == "torch PG timeout (abort)", rec.ended_by
+
+
+def test_runner_records_which_limit_ended_each_rank(tmp_path):
+    """Issue 35: each rank's record says which limit ended it (te_ep's watchdog on the host or on
+    the GPU, torch's process-group timeout, NCCL EP's own), and the summary line says it per rank
+    with the seconds from the fault."""
+    from faults import runner
+
+    class Ended:
+        def __init__(self, code):
+            self.exitcode = code
+
+    paths = []
+    for r, stderr in enumerate([_te_ep_watchdog_host(0, "dispatch") + " ...",
+                                _te_ep_watchdog(1, "dispatch") + " ...", ""]):
+        path = tmp_path / f"rank{r}.json"
+        (tmp_path / f"rank{r}.stderr").write_text(stderr + "\n")
+        paths.append(str(path))
+    runner._write_json(paths[2], dataclasses.asdict(RankRecord(
+        rank=2, status="raised", done=True, t_fault=100.0, t_end=105.0, limit_ms=5000,
+        message="te_ep.dispatch on handle 1 of group '0': a collective with the other ranks failed ([...] Timed out "
+                "waiting 5000ms for recv operation to complete): a rank exited or did not reach this op within the "
+                "process group's timeout. ...")))
+    recs = runner._finish_records(paths, [Ended(WATCHDOG_EXIT_CODE), Ended(WATCHDOG_EXIT_CODE), Ended(0)],
+                                  t_stop=130.0, seen_dead={0: 120.0, 1: 120.5})
+    assert [rec.ended_by for rec in recs] == ["te_ep watchdog (host)", "te_ep watchdog (GPU)",
+                                              "torch PG timeout (raised)"], recs
+    result = CaseResult(case="rank_exits_mid_step", config=RunConfig(world_size=3), faulty=0, ranks=recs)
+    line = runner.summary_line(result)
+    assert line.startswith("rank_exits_mid_step W=3 backend=reference mode=staged checks=local pg_timeout=5s "
+                           "group_timeout_ms=5000 | "), line
+    assert "r0: te_ep watchdog (host) after" in line and "r2: torch PG timeout (raised) after 5.00 s" in line, line
 
 
 # ---------------------------------------------------------------------------

@@ -11,6 +11,8 @@
 #include <tuple>
 #include <vector>
 
+#include "common/watchdog.h"
+
 namespace te_ep {
 
 // How a handle catches bad routing, capacity overflow, bad op arguments and
@@ -103,15 +105,20 @@ class Backend {
   // EpHandle.check(): raises an error an earlier step recorded and no op has
   // raised yet (waits for the GPU); a no-op where errors are raised in the op.
   virtual void raise_pending_errors() {}
-  // Called after each op of `handle_id` was launched: the nccl_ep backend
-  // hands a completion marker to the watchdog (csrc/common/watchdog.h), whose
-  // kernels would otherwise wait for a lost rank forever. A no-op where the
-  // transport has its own time limit (the reference backend's torch
-  // collectives).
-  virtual void watch(const char* op, int64_t handle_id) {
+  // Called when the host enters op `op` of `handle_id`, before anything in it
+  // can wait: the nccl_ep backend registers the op with the watchdog
+  // (csrc/common/watchdog.h), whose limit then covers every wait inside the
+  // op (agreements, NCCL EP's host calls, CUDA calls) and, through
+  // `watch_launched`, the GPU work it queued, whose kernels would otherwise
+  // wait for a lost rank forever. nullptr where the transport has its own
+  // time limit (the reference backend's torch collectives).
+  virtual std::unique_ptr<watchdog::Op> watch(const char* op, int64_t handle_id) {
     (void)op;
     (void)handle_id;
+    return nullptr;
   }
+  // Called when op `op` (from `watch`) has queued its GPU work.
+  virtual void watch_launched(watchdog::Op& op) { (void)op; }
 
   // Number of tokens of the last successful `prepare` (host-side record),
   // -1 before the first. Used to reject shape mismatches.
@@ -119,6 +126,14 @@ class Backend {
 };
 
 std::unique_ptr<Backend> make_reference_backend(const HandleConfig& cfg);
+
+// The watchdog's record of op `op` on handle `handle_id` (-1: the handle being
+// created) of a handle with config `cfg`, entered now (csrc/common/watchdog.h).
+// The one place that names a watched op ("te_ep.dispatch on handle 3 of group
+// 'ep' (rank 1 of 2)") and picks its limit: the handle's timeout (EpGroup
+// passes the process group's), else torch's default process-group timeout.
+// nullptr under TE_EP_WATCHDOG=off. (comm_ops.cpp)
+std::unique_ptr<watchdog::Op> enter_watched_op(const HandleConfig& cfg, const char* op, int64_t handle_id);
 
 // ---- agreement on the host (agreement.cpp), over the handle's process group -----
 // Every rank's `local` message, in rank order (truncated to 1023 bytes).

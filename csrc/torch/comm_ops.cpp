@@ -3,8 +3,10 @@
 #include <torch/library.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
+#include <chrono>
 #include <mutex>
 #include <sstream>
+#include <thread>
 #include <unordered_map>
 
 #include "common/routing.h"
@@ -99,6 +101,23 @@ int64_t resolve_id(const char* op, int64_t handle_id, const c10::optional<at::Te
   return id;
 }
 
+// The watchdog's limit for a handle without a timeout: torch's default
+// process-group timeout (10 minutes).
+constexpr int64_t kDefaultWatchdogMs = 10 * 60 * 1000;
+
+}  // namespace
+
+std::unique_ptr<watchdog::Op> enter_watched_op(const HandleConfig& cfg, const char* op, int64_t handle_id) {
+  if (watchdog::action() == watchdog::Action::kOff) return nullptr;
+  std::ostringstream what;
+  what << "te_ep." << op;
+  if (handle_id >= 0) what << " on handle " << handle_id;
+  what << " of group '" << cfg.group_name << "' (rank " << cfg.rank << " of " << cfg.ep_size << ")";
+  return watchdog::Op::enter(cfg.timeout_ms > 0 ? cfg.timeout_ms : kDefaultWatchdogMs, what.str());
+}
+
+namespace {
+
 // The first line of a message (transport errors carry long backtraces).
 std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
 
@@ -111,16 +130,18 @@ std::string first_line(const std::string& text) { return text.substr(0, text.fin
 // and its group appended; a failure of a collective itself (a rank exited, or
 // did not reach the op within the process group's timeout) becomes an error
 // that names the op and the handle and says what state the process is in
-// (docs/ops.md, "Faults and bad input"). A launched op is then handed to the
-// backend's watchdog (Backend::watch). Anything else (a CUDA error, running out
-// of memory) propagates unchanged, with its type.
+// (docs/ops.md, "Faults and bad input"). The backend's watchdog
+// (Backend::watch) watches the op from here on: its host part until it
+// returns or throws, then the GPU work it launched. Anything else (a CUDA
+// error, running out of memory) propagates unchanged, with its type.
 template <typename Real, typename Substitute>
 auto run_op(const HandleEntry& h, int64_t handle_id, const char* op, const std::string& error, Real&& real,
             Substitute&& substitute) -> decltype(real()) {
+  const std::unique_ptr<watchdog::Op> watched = h.backend->watch(op, handle_id);
   std::string transport;
   try {
     auto result = h.backend->agree_on_arguments(op, error) ? substitute() : real();
-    h.backend->watch(op, handle_id);
+    if (watched) h.backend->watch_launched(*watched);
     return result;
   } catch (const c10::DistError& e) {
     transport = first_line(e.what_without_backtrace());
@@ -395,10 +416,21 @@ std::tuple<std::string, std::string, int64_t, int64_t> handle_info(int64_t handl
           h->handle_mem_numel * static_cast<int64_t>(c10::elementSize(h->handle_mem_dtype))};
 }
 
+// Holds the host for `seconds` inside a watched op `op` of handle `handle_id`
+// (any backend): a stalled op as the watchdog sees it, for the CPU test of the
+// watchdog (tests/test_watchdog_host.py), without a GPU or a lost peer.
+void watchdog_test_hold(int64_t handle_id, c10::string_view op, double seconds) {
+  auto h = lookup("_watchdog_test_hold", handle_id);
+  const std::string name = to_string(op);
+  const std::unique_ptr<watchdog::Op> watched = enter_watched_op(h->cfg, name.c_str(), handle_id);
+  std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+}
+
 std::string check_mode(int64_t handle_id) { return checks_name(lookup("check_mode", handle_id)->backend->checks()); }
 
 void check_handle(int64_t handle_id) {
   auto h = lookup("check_handle", handle_id);
+  const std::unique_ptr<watchdog::Op> watched = h->backend->watch("check_handle", handle_id);
   try {
     h->backend->raise_pending_errors();
   } catch (const c10::Error& e) {
@@ -591,6 +623,7 @@ TORCH_LIBRARY_IMPL(te_ep, CompositeExplicitAutograd, m) {
   m.impl("combine_buffer", &combine_buffer);
   m.impl("check_mode", &check_mode);
   m.impl("check_handle", &check_handle);
+  m.impl("_watchdog_test_hold", &watchdog_test_hold);
   m.impl("worst_case_capacity", &worst_case_capacity_op);
 }
 

@@ -138,8 +138,10 @@ TORCH_LIBRARY(te_ep, m) {
   // The least capacity nccl_ep takes for a max_tokens_per_rank (backend.h).
   m.def("_nccl_ep_capacity_floor(int max_tokens_per_rank) -> int");
   // The watchdog of the nccl_ep ops (csrc/common/watchdog.h): its action
-  // (TE_EP_WATCHDOG: "exit", "warn", "off"; "unavailable" in builds without
-  // CUDA), markers pending now and how often it fired in this process.
+  // (TE_EP_WATCHDOG: "exit", "warn", "off"), ops and markers pending now and
+  // how often it fired in this process.
   m.def("_watchdog_state() -> (str action, int pending, int fired)");
+  // Tests only: holds the host `seconds` inside a watched op `op` of a handle.
+  m.def("_watchdog_test_hold(int handle_id, str op, float seconds) -> ()");
   // END nccl_ep schemas
 }

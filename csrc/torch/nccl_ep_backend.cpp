@@ -48,9 +48,6 @@ namespace {
 namespace ne = nccl_ep;
 
 constexpr int64_t kRowAlignmentBytes = 16;
-// The watchdog's limit for a handle without a timeout: torch's default
-// process-group timeout (10 minutes).
-constexpr int64_t kDefaultWatchdogMs = 10 * 60 * 1000;
 
 DType to_dtype(at::ScalarType type) {
   const std::optional<DType> dtype = dtype_of(type);
@@ -233,8 +230,6 @@ class NcclEpBackend final : public Backend {
         dtype_(to_dtype(cfg.dtype)),
         zero_copy_(group_->config().zero_copy),
         mode_reason_(std::move(mode_reason)),
-        watch_label_(" of group '" + cfg.group_name + "' (rank " + std::to_string(cfg.rank) + " of " +
-                     std::to_string(cfg.ep_size) + ")"),
         checks_(cfg, group_->comm()) {
     c10::cuda::CUDAGuard guard(cfg_.device);
     const auto ints = at::TensorOptions().dtype(at::kInt).device(cfg_.device);
@@ -472,20 +467,16 @@ class NcclEpBackend final : public Backend {
     return prepared_num_tokens_;
   }
 
-  void watch(const char* op, int64_t handle_id) override {
-    if (watchdog::action() == watchdog::Action::kOff) return;
+  std::unique_ptr<watchdog::Op> watch(const char* op, int64_t handle_id) override {
+    return enter_watched_op(cfg_, op, handle_id);
+  }
+
+  void watch_launched(watchdog::Op& op) override {
     // The marker's event must belong to the handle's device, whatever device
     // the caller has current (the op's own guard is gone by now).
     c10::cuda::CUDAGuard guard(cfg_.device);
-    std::string what = "te_ep.";
-    what += op;
-    what += " on handle " + std::to_string(handle_id) + watch_label_;
-    watchdog::watch(current_stream(), cfg_.device.index(), watchdog_timeout_ms(), what);
+    op.watch_stream(current_stream(), cfg_.device.index());
   }
-
-  // The watchdog's limit: the group's timeout (EpGroup passes the process
-  // group's), else torch's default process-group timeout.
-  int64_t watchdog_timeout_ms() const { return cfg_.timeout_ms > 0 ? cfg_.timeout_ms : kDefaultWatchdogMs; }
 
   void raise_pending_errors() override {
     c10::cuda::CUDAGuard guard(cfg_.device);
@@ -557,7 +548,6 @@ class NcclEpBackend final : public Backend {
   ne::DType dtype_;
   bool zero_copy_;
   std::string mode_reason_;
-  std::string watch_label_;  // " of group 'G' (rank r of W)", for the watchdog's messages
   NcclEpChecks checks_;
   int64_t window_bytes_ = 0;
   WindowRows recv_window_;
@@ -686,6 +676,9 @@ std::unique_ptr<Backend> make_nccl_ep_backend(const HandleConfig& cfg) {
     TORCH_CHECK(false, "te_ep.create_handle: ", e.what());
   }
 
+  // Creating the first handle of a group runs collectives (the NCCL
+  // communicator, the NCCL EP group) that a lost rank would leave waiting.
+  const std::unique_ptr<watchdog::Op> watched = enter_watched_op(cfg, "create_handle", -1);
   auto pg = c10d::resolve_process_group(cfg.group_name);
   TORCH_INTERNAL_ASSERT(pg->getSize() == cfg.ep_size && pg->getRank() == cfg.rank);
   c10::cuda::CUDAGuard guard(cfg.device);

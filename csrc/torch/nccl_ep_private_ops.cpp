@@ -57,7 +57,6 @@ TORCH_LIBRARY_IMPL(te_ep, CompositeExplicitAutograd, m) {
     return nccl_ep_capacity_floor(max_tokens_per_rank);
   });
   m.impl("_watchdog_state", []() -> std::tuple<std::string, int64_t, int64_t> {
-#if TE_EP_WITH_CUDA
     std::string action;
     try {
       action = watchdog::action_name(watchdog::action());
@@ -65,9 +64,6 @@ TORCH_LIBRARY_IMPL(te_ep, CompositeExplicitAutograd, m) {
       TORCH_CHECK(false, "te_ep: ", e.what());
     }
     return {action, watchdog::pending(), watchdog::fired()};
-#else
-    return {"unavailable", 0, 0};
-#endif
   });
 }
 

@@ -36,6 +36,7 @@ from .runner import (  # noqa: E402
     RunConfig,
     describe,
     run_case,
+    summary_line,
     table_header,
     table_row,
 )
@@ -63,6 +64,13 @@ def main(argv=None) -> int:
                     help="only cases whose name contains one of these")
     ap.add_argument("--controls", action="store_true", help="also run the harness's control cases")
     ap.add_argument("-v", "--verbose", action="store_true", help="every rank's record after each row")
+    ap.add_argument("--dump-after", type=float, nargs="+", default=(), metavar="S",
+                    help="diagnostics: each rank dumps the Python stack and the kernel state of every thread to its "
+                         "stderr S seconds after its body starts (see --keep-logs)")
+    ap.add_argument("--keep-logs", default="", metavar="DIR",
+                    help="keep each case's rank stderr files under DIR/<case>.<variant>.<mode>.w<W>/")
+    ap.add_argument("--summary", default="", metavar="FILE",
+                    help="append one line per case to FILE: which limit ended each rank, after how long")
     args = ap.parse_args(argv)
 
     if args.world_size < 1:
@@ -83,7 +91,8 @@ def main(argv=None) -> int:
     config = RunConfig(backend=args.backend, device=device, world_size=args.world_size,
                        pg_timeout_s=pg_timeout, checks=args.checks,
                        nccl_ep_mode=args.nccl_ep_mode,
-                       start_method=args.start_method)
+                       start_method=args.start_method,
+                       dump_after_s=tuple(args.dump_after), keep_logs=args.keep_logs)
     selected = [c for c in fault_cases.CASES + (fault_cases.CONTROLS if args.controls else [])
                 if not args.patterns or any(p in c.name for p in args.patterns)]
     print(f"te_ep fault cases: backend {config.variant}, W={config.world_size}, device {device}, "
@@ -96,7 +105,8 @@ def main(argv=None) -> int:
               + (", ".join(skipped) or "none"), flush=True)
     if args.backend == "nccl_ep" and not args.no_warmup:
         for name in ("control_no_fault", "control_overflow_shape"):
-            warm = run_case(fault_cases.CASES_BY_NAME[name], dataclasses.replace(config, pg_timeout_s=300.0))
+            warm = run_case(fault_cases.CASES_BY_NAME[name],
+                            dataclasses.replace(config, pg_timeout_s=300.0, dump_after_s=(), keep_logs=""))
             print(f"warm-up {name}: {', '.join(rec.outcome() for rec in warm.ranks)} in {warm.wall_s:.0f} s"
                   f"{' (HANG)' if warm.hang else ''}", flush=True)
     print(table_header(), flush=True)
@@ -108,6 +118,9 @@ def main(argv=None) -> int:
         verdict, problems = judge(case, result)
         counts[verdict] = counts.get(verdict, 0) + 1
         print(table_row(result, verdict), flush=True)
+        if args.summary:
+            with open(args.summary, "a") as f:
+                f.write(f"{summary_line(result)} | verdict {verdict}\n")
         if args.verbose:
             print(describe(result), flush=True)
         if verdict in ("UNEXPECTED", "STALE"):

@@ -46,7 +46,7 @@ from ep_cases.common import (
 from ep_cases.errors import check_collective_error
 from ep_cases.exact import check_sum, run_exact_step
 
-from .expect import Expect, within_timeout
+from .expect import Expect, Substring, within_timeout
 
 # One small step, valid on nccl_ep at any W (4 experts per rank, 32-byte bf16 rows,
 # capacity floor 8); ranks pass different token counts.
@@ -117,6 +117,7 @@ def _env(f, capacity: Optional[int] = None, idx_all: Optional[list] = None) -> E
     group = make_group(f, STEP)
     handle = group.create_handle(top_k=STEP.top_k, hidden=H, dtype=STEP.torch_dtype(), capacity=capacity)
     f.record.handle_id = handle.id
+    f.record.limit_ms = group.timeout_ms
     clean_idx, w_all = all_inputs(STEP, f.world_size)
     idx_all = idx_all if idx_all is not None else clean_idx
     x = fingerprint(f.rank, STEP.num_tokens(f.rank), H, STEP.torch_dtype()).to(dev)
@@ -352,6 +353,9 @@ def body_rank_exits_mid_step(f) -> None:
         _check_outputs(f, env, *res, env.idx_all)
 
 
+# The ops te_ep's watchdog may name on the survivors of rank_exits_mid_step (see its declaration).
+EXITS_LATE_OPS = ("dispatch", "prepare")
+
 SLEEP_PAST_TIMEOUT_S = 1.5  # how far past the process group's timeout the faulty rank sleeps
 
 
@@ -496,17 +500,20 @@ NCCL_EP_DEVICE_SHORTFALL = (NOT_MEASURED + "check mode `device`: nothing is rais
                             "on every rank (its outputs are exactly zero); every rank raises the same agreed message, "
                             "naming the faulty rank and the value, a step late (at the handle's next prepare, or "
                             "EpHandle.check()), and the handle then runs exact steps")
-TORCH_ABORT_SHORTFALL = (NOT_MEASURED + "checks='synchronous' agrees on errors through the NCCL process group at "
-                         "the start of every op; the survivors wait in that all-reduce for the lost rank, and torch's "
-                         "NCCL watchdog (by torch's defaults) ends their processes (SIGABRT) when the collective "
-                         "times out or NCCL reports the lost peer: no Python exception, no te_ep message")
+NCCL_EP_SYNC_LOST_SHORTFALL = (NOT_MEASURED + "checks='synchronous' agrees on errors through the NCCL process group "
+                               "at the start of every op; the survivors wait in that all-reduce, inside the op on the "
+                               "host, and te_ep's watchdog ends them (exit code 70) one limit after they entered the "
+                               "op, before torch's NCCL watchdog (whose limit counts from the all-reduce's start) would "
+                               "abort them: no Python exception; the message names the op, the handle, the group and "
+                               "the rank, not the rank at fault")
 # torch's NCCL watchdog may wait for its debug dump (TORCH_NCCL_DUMP_ON_TIMEOUT) before it aborts
 TORCH_ABORT_SLACK_S = 20.0
 
 
-def _watchdog_ends(expect: Expect, op: str, shortfall: str = NCCL_EP_WATCHDOG_SHORTFALL, **changes) -> Expect:
-    """Ranks whose kernels wait for a lost peer are ended by te_ep's watchdog
-    (csrc/common/watchdog.h) one process-group timeout after `op` was launched."""
+def _watchdog_ends(expect: Expect, op: Substring, shortfall: str = NCCL_EP_WATCHDOG_SHORTFALL, **changes) -> Expect:
+    """Ranks that wait for a lost peer, in `op` on the host or in its kernels, are ended by
+    te_ep's watchdog (csrc/common/watchdog.h) one process-group timeout after they entered `op`
+    (a tuple: the message names one of these ops)."""
     return expect.but(watchdog_op=op, shortfall=shortfall, **changes)
 
 
@@ -605,7 +612,7 @@ def _arg_case(name, fault, body, faulty, op, says, own) -> Case:
             "reference": contract,
             # the faulty rank raises its own message at once; the others go on into NCCL EP's
             # dispatch, whose kernels wait for it without a limit, until te_ep's watchdog ends
-            # them one process-group timeout after the launch
+            # them one process-group timeout after they entered the op
             "nccl_ep": _watchdog_ends(contract, op, raising="faulty", watchdog="others", recovers=False),
             "nccl_ep+check": contract,
             # agreed on the device by the op itself (NcclEpChecks::agree_on_arguments): the
@@ -637,13 +644,6 @@ _CONFIG_CONTRACT = Expect(raising="all", exc=("ValueError",),
 _OVERFLOW_CONTRACT = _arg_error("prepare", "capacity overflow", "capacity is {cap}").but(recovers=True)
 _BAD_STEP_CONTRACT = _arg_error("prepare", "topk_idx[3, 0] = {E}", "out of range").but(recovers=True)
 # A lost rank under checks='synchronous' (the exit and sleep cases).
-_EXIT_ABORTED = _EXIT_CONTRACT.but(raising="none", aborted="others", shortfall=TORCH_ABORT_SHORTFALL,
-                                   watchdog_max_s=lambda pg: within_timeout(pg) + TORCH_ABORT_SLACK_S)
-# The waiting ranks time out one PG timeout after the fault; the late rank, arriving after
-# its sleep to peers that are gone, one timeout after it arrives.
-_SLEEP_ABORTED = _SLEEP_CONTRACT.but(
-    raising="none", aborted="all", shortfall=TORCH_ABORT_SHORTFALL,
-    watchdog_max_s=lambda pg: 2 * pg + SLEEP_PAST_TIMEOUT_S + 3 + TORCH_ABORT_SLACK_S)
 
 CASES = [
     *[_routing_case(*spec, world_sizes=(2, 3) if spec[0] == "expert_id_out_of_range" else (2,))
@@ -709,11 +709,17 @@ CASES = [
                                                         GLOO_LOST_PEER), shortfall=GLOO_SHORTFALL),
             # no torch collective in the step: the survivors' dispatch kernels wait for the
             # lost rank without a limit until te_ep's watchdog ends them one process-group
-            # timeout after the launch (the device mode's agreement runs inside prepare, which
-            # every rank completed before the exit)
-            "nccl_ep": _watchdog_ends(_EXIT_CONTRACT, "dispatch", raising="none", watchdog="others"),
-            "nccl_ep+check": _EXIT_ABORTED,
-            "nccl_ep+device": _watchdog_ends(_EXIT_CONTRACT, "dispatch", raising="none", watchdog="others"),
+            # timeout after they entered dispatch (the device mode's agreement runs inside
+            # prepare, which every rank completed on the host before the exit). The faulty rank
+            # exits as soon as prepare returns on its host, so its GPU may not have done its part
+            # of prepare's routing exchange: then the survivors' prepare is the op whose GPU work
+            # is late, and the watchdog names it (EXITS_LATE_OPS).
+            "nccl_ep": _watchdog_ends(_EXIT_CONTRACT, EXITS_LATE_OPS, raising="none", watchdog="others"),
+            # the survivors wait in dispatch's agreement (a torch all-reduce); te_ep's watchdog
+            # counts from their entry into dispatch, so it ends them before torch's would
+            "nccl_ep+check": _watchdog_ends(_EXIT_CONTRACT, EXITS_LATE_OPS, NCCL_EP_SYNC_LOST_SHORTFALL,
+                                            raising="none", watchdog="others"),
+            "nccl_ep+device": _watchdog_ends(_EXIT_CONTRACT, EXITS_LATE_OPS, raising="none", watchdog="others"),
         },
         world_sizes=(2, 3),
         wall=lambda pg: 2 * pg + TORCH_ABORT_SLACK_S + 10,
@@ -728,11 +734,13 @@ CASES = [
             # (the message does not name the late rank; the contract does not ask it to)
             "reference": _SLEEP_CONTRACT,
             # No torch collective in a default-mode step: the waiting ranks' dispatch kernels spin
-            # until te_ep's watchdog ends them one PG timeout after the launch; the late rank then
-            # finds no peers, and its own watchdog ends it one timeout after it arrives.
+            # until te_ep's watchdog ends them one PG timeout after they entered dispatch; the late
+            # rank then finds no peers, and its own watchdog ends it one timeout after it arrives
+            # (in the synchronous mode both wait on the host, in dispatch's agreement).
             "nccl_ep": _watchdog_ends(_SLEEP_CONTRACT, "dispatch", raising="none", watchdog="all",
                                       watchdog_max_s=_SLEEP_CONTRACT.max_s),
-            "nccl_ep+check": _SLEEP_ABORTED,
+            "nccl_ep+check": _watchdog_ends(_SLEEP_CONTRACT, "dispatch", NCCL_EP_SYNC_LOST_SHORTFALL,
+                                            raising="none", watchdog="all", watchdog_max_s=_SLEEP_CONTRACT.max_s),
             "nccl_ep+device": _watchdog_ends(_SLEEP_CONTRACT, "dispatch", raising="none", watchdog="all",
                                              watchdog_max_s=_SLEEP_CONTRACT.max_s),
         },

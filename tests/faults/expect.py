@@ -56,9 +56,9 @@ class Expect:
     recovers: bool = False  # every step after the fault passes on every rank
     hanging: str = "none"  # ranks still running at the wall-clock limit (only the hang control expects any)
     # ranks te_ep's watchdog ends (exit code WATCHDOG_EXIT_CODE, its message in their stderr
-    # naming `watchdog_op`), each within watchdog_max_s of the fault
+    # naming `watchdog_op`, or one of them where it is a tuple), each within watchdog_max_s of the fault
     watchdog: str = "none"
-    watchdog_op: str = ""
+    watchdog_op: Substring = ""
     watchdog_max_s: Callable[[float], float] = within_timeout
     # ranks torch's NCCL watchdog ends (SIGABRT, its message in their stderr), within watchdog_max_s
     aborted: str = "none"
@@ -160,15 +160,17 @@ def evaluate(result: CaseResult, expect: Expect, fmt: dict) -> List[str]:
         failed_in = rec.failed_in or "step"
         status_ok = False
         if r in watched or r in aborted:
-            code, says = ((WATCHDOG_EXIT_CODE, f"te_ep watchdog: te_ep.{expect.watchdog_op} on handle ") if r in watched
-                          else (TORCH_ABORT_EXIT_CODE, TORCH_WATCHDOG_SAYS))
+            ops = (expect.watchdog_op,) if isinstance(expect.watchdog_op, str) else expect.watchdog_op
+            code, says = ((WATCHDOG_EXIT_CODE, tuple(f"te_ep watchdog: te_ep.{op} on handle " for op in ops))
+                          if r in watched else (TORCH_ABORT_EXIT_CODE, TORCH_WATCHDOG_SAYS))
             who = "te_ep's watchdog" if r in watched else "torch's NCCL watchdog"
             if rec.status != "died" or rec.exit_code != code:
                 problems.append(f"{where}: expected {who} to end it (exit code {code}), got {rec.outcome()}")
                 continue
             status_ok = True
-            if says not in rec.message:
-                problems.append(f"{where}: the watchdog's message lacks {says!r}: {rec.message!r}")
+            if not _has(rec.message, says, fmt):
+                shown = says if isinstance(says, str) else " | ".join(says)
+                problems.append(f"{where}: the watchdog's message lacks {shown!r}: {rec.message!r}")
             if failed_in != expect.fails_in:
                 problems.append(f"{where}: ended in {failed_in}, expected in {expect.fails_in}")
             limit = expect.watchdog_max_s(pg)

@@ -39,10 +39,12 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
+import threading
 import time
 import traceback
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import _dist
 
@@ -76,6 +78,11 @@ class RunConfig:
     nccl_ep_mode: str = "staged"  # EpGroup's nccl_ep_mode in the ranks
     start_method: str = "forkserver"
     startup_limit_s: float = DEFAULT_STARTUP_LIMIT_S
+    # Diagnostics (issue 35): seconds after a rank's body starts at which it dumps the Python
+    # stack of every thread and the kernel's view of every thread (/proc: state, wait channel,
+    # system call) to its stderr; and a directory where each case's rank stderr files are kept.
+    dump_after_s: Tuple[float, ...] = ()
+    keep_logs: str = ""
 
     @property
     def variant(self) -> str:
@@ -119,6 +126,9 @@ class RankRecord:
     recovery: List[List[str]] = dataclasses.field(default_factory=list)  # [step, "ok" | "failed: ..."]
     handle_id: Optional[int] = None
     traceback: str = ""
+    limit_ms: Optional[int] = None  # the EpGroup's timeout on this rank (the watchdog's and NCCL EP's limit)
+    # Which limit ended the rank's faulted call (ended_by; see `_ended_by`), after `seconds`.
+    ended_by: str = ""
 
     @property
     def first_line(self) -> str:
@@ -316,9 +326,20 @@ def _case_main(ctx, case_name: str, config: RunConfig) -> None:
     """One rank of a fault case, in a fresh process of tests/_dist.py whose process group has
     the case's timeout. Raises (exit code 1) where the body failed outside the faulted call."""
     # Nothing else bounds a wait inside NCCL EP on CUDA: its high-throughput kernels spin
-    # without a limit, and te_ep's watchdog ends a rank whose op has not finished one
-    # process-group timeout after its launch (EpGroup's default timeout; docs/nccl_ep.md, "Timeouts").
+    # without a limit, and te_ep's watchdog ends a rank whose op has not returned, or whose op's
+    # GPU work has not finished, one process-group timeout after the host entered the op
+    # (EpGroup's default timeout; docs/nccl_ep.md, "Timeouts").
     record_path = os.path.join(ctx.tmp_dir, f"rank{ctx.rank}.json")
+    if config.dump_after_s:
+        import faulthandler
+
+        # faulthandler's own thread needs no GIL: the Python stacks come even where a thread
+        # waits inside a call that holds it; repeated every first interval while the rank lives.
+        faulthandler.dump_traceback_later(config.dump_after_s[0], repeat=True, file=sys.stderr)
+    for after_s in config.dump_after_s:
+        timer = threading.Timer(after_s, _dump_threads, args=(ctx.rank, after_s))
+        timer.daemon = True
+        timer.start()
     try:
         import importlib
 
@@ -344,6 +365,32 @@ def _case_main(ctx, case_name: str, config: RunConfig) -> None:
     f.write()
     if error is not None:
         raise error
+
+
+def _dump_threads(rank: int, after_s: float) -> None:
+    """Where every native thread of this rank is, as the kernel sees it: name (te_ep's watchdog
+    threads are te_ep_wd_check and te_ep_wd_poll), state, wait channel, system call (``ioctl``:
+    inside the CUDA driver; ``futex``: waiting for a lock or a condition). The Python stacks come
+    from faulthandler (see _case_main)."""
+    lines = []
+    for tid in sorted(os.listdir("/proc/self/task"), key=int):
+        fields = []
+        for name in ("comm", "wchan", "syscall"):
+            try:
+                with open(f"/proc/self/task/{tid}/{name}") as f:
+                    fields.append(f"{name}={f.read().strip().split(' ')[0]}")
+            except OSError:
+                fields.append(f"{name}=?")
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields.append("state=" + f.read().rsplit(")", 1)[1].split()[0])
+        except OSError:
+            pass
+        lines.append(f"  tid {tid}: " + " ".join(fields))
+    sys.stderr.write(f"\n=== rank {rank}: native threads {after_s:g} s after the body started (syscall number: 16 "
+                     "ioctl, 202 futex, 7 poll, 230 clock_nanosleep, 232 epoll_wait) ===\n" + "\n".join(lines)
+                     + "\n=== end ===\n")
+    sys.stderr.flush()
 
 
 def _write_json(path: str, obj) -> None:
@@ -401,6 +448,14 @@ def run_case(case, config: RunConfig) -> CaseResult:
         result.ranks = _finish_records(paths, run.ranks, run.stopped_at, seen_dead)
         return result
     finally:
+        if config.keep_logs:
+            kept = os.path.join(config.keep_logs, f"{case.name}.{config.variant}.{config.nccl_ep_mode}."
+                                                  f"w{W}")
+            os.makedirs(kept, exist_ok=True)
+            for r in range(W):
+                src = os.path.join(case_dir, f"rank{r}.stderr")
+                if os.path.exists(src):
+                    shutil.copy(src, os.path.join(kept, f"rank{r}.stderr"))
         shutil.rmtree(case_dir, ignore_errors=True)
 
 
@@ -455,10 +510,58 @@ def _finish_records(paths: List[str], procs, t_stop: float, seen_dead: dict) -> 
                 rec.after = f"hang in {rec.stage}"
         recs.append(rec)
     t_fault = min((rec.t_fault for rec in recs if rec.t_fault is not None), default=None)
-    for rec in recs:
+    for r, rec in enumerate(recs):
         if t_fault is not None and rec.t_end is not None:
             rec.seconds = rec.t_end - t_fault
+        rec.ended_by = _ended_by(rec, _stderr_of(paths[r]))
     return recs
+
+
+# What each limit leaves behind (issue 35: which limit ended each rank).
+TE_EP_HOST_SAYS = "has not returned on the host"
+NCCL_EP_TIMEOUT_SAYS = ("NCCL EP", "timeout")
+
+
+def _ended_by(rec: RankRecord, stderr: str) -> str:
+    """Which limit ended the rank's faulted call: "te_ep watchdog (host)" (an op that had not
+    returned on the host), "te_ep watchdog (GPU)" (an op's GPU work that had not finished),
+    "torch PG timeout (abort)" (torch's NCCL watchdog took the process down), "torch PG timeout
+    (raised)" (a torch collective inside the op timed out, raised in the op; "torch collective lost
+    its peer (raised)" where it failed before its timeout),
+    "NCCL EP timeout" (NCCL EP's own limit, in an exception or its stderr), or what happened
+    where no limit did: "completed", "raised" (an error found without waiting), "exited"
+    (the injected exit), "hang" (killed at the wall limit), "died(<code>)"."""
+    said = rec.message or _last_words(stderr)
+    if rec.status == "completed" and not rec.after:
+        return "completed"
+    if rec.status == "exited":
+        return "exited"
+    if rec.hung:
+        return "hang"
+    if rec.exit_code == WATCHDOG_EXIT_CODE or "te_ep watchdog: " in said:
+        return "te_ep watchdog (host)" if TE_EP_HOST_SAYS in (said + stderr) else "te_ep watchdog (GPU)"
+    if rec.exit_code == TORCH_ABORT_EXIT_CODE and TORCH_WATCHDOG_SAYS in stderr:
+        return "torch PG timeout (abort)"
+    if all(part in said or part in stderr for part in NCCL_EP_TIMEOUT_SAYS):
+        return "NCCL EP timeout"
+    if rec.status == "raised" or rec.after.startswith("died"):
+        failed = re.search(r"collective with the other ranks failed \((.*)\): a rank exited", said, re.S)
+        if failed:  # what the transport said: a timeout, or a peer that went away first
+            transport = failed.group(1).lower()
+            timed_out = "timed out" in transport or "timeout" in transport
+            return "torch PG timeout (raised)" if timed_out else "torch collective lost its peer (raised)"
+        return "raised"
+    return f"{rec.status}({rec.exit_code})"
+
+
+def summary_line(result: CaseResult) -> str:
+    """One line per case: which limit ended each rank, after how many seconds from the fault."""
+    cfg = result.config
+    limits = sorted({rec.limit_ms for rec in result.ranks if rec.limit_ms is not None})
+    ranks = "; ".join(f"r{rec.rank}: {rec.ended_by or rec.status} after {_secs(rec)} s" for rec in result.ranks)
+    return (f"{result.case} W={result.world_size} backend={cfg.backend} mode={cfg.nccl_ep_mode} checks={cfg.checks} "
+            f"pg_timeout={cfg.pg_timeout_s:g}s group_timeout_ms={','.join(map(str, limits)) or '?'}"
+            f"{' HANG' if result.hang else ''} | {ranks}")
 
 
 # ---------------------------------------------------------------------------
@@ -500,7 +603,8 @@ def describe(result: CaseResult) -> str:
              f"{' start-up: ' + result.startup_error if result.startup_error else ''}"]
     for rec in result.ranks:
         lines.append(f"  rank {rec.rank}: {rec.outcome()} after {_secs(rec)} s, exit code {rec.exit_code}, "
-                     f"{rec.exc_type or 'no exception'}; handle {rec.handle_id} named: {rec.names_handle}")
+                     f"{rec.exc_type or 'no exception'}; handle {rec.handle_id} named: {rec.names_handle}; "
+                     f"ended by: {rec.ended_by or '-'} (limit {rec.limit_ms} ms)")
         if rec.message:
             lines.append("    message: " + rec.message.strip().replace("\n", "\n             "))
         if rec.output:
