@@ -58,7 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--backend", choices=("auto", "reference", "nccl_ep"), default="auto",
                    help="te_ep backend (cpu always uses reference)")
     p.add_argument("--capacity-factor", type=float, default=None,
-                   help="also time te_ep with this capacity_factor (TeEpTokenDispatcher.Config); the te_ep row "
+                   help="also time te_ep with this capacity_factor (TeEpTokenDispatcher.Config: a multiplier >= 1 "
+                        "of a rank's mean receive load, top_k x tokens per rank plus zone padding); the te_ep row "
                         "keeps the default capacity (the worst case)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)

@@ -427,14 +427,15 @@ torch.library.register_autograd(
 
 
 def _zone_glu_setup(ctx, inputs, output):
-    gate_up, counts, gate, interleaved, alpha, limit = inputs
+    gate_up, counts, gate, interleaved, alpha, limit, up = inputs
     ctx.spec = (gate, interleaved, alpha, limit)
-    ctx.save_for_backward(gate_up, counts)
+    ctx.save_for_backward(gate_up, counts, up)
 
 
 def _zone_glu_backward(ctx, grad_h):
-    gate_up, counts = ctx.saved_tensors
-    return torch.ops.te_ep.zone_glu_bwd(grad_h.contiguous(), gate_up, counts, *ctx.spec), None, None, None, None, None
+    gate_up, counts, up = ctx.saved_tensors
+    grad, grad_up = torch.ops.te_ep.zone_glu_bwd(grad_h.contiguous(), gate_up, counts, *ctx.spec, up)
+    return grad, None, None, None, None, None, (grad_up if up is not None else None)
 
 
 torch.library.register_autograd("te_ep::zone_glu", _zone_glu_backward, setup_context=_zone_glu_setup)

@@ -416,9 +416,7 @@ class GroupedExperts(nn.Module):
                 f"GroupedExperts: expert_counts has {expert_counts.shape[0]} zones, "
                 f"this rank holds {w_gate.shape[0]} experts"
             )
-        # One grouped GEMM for gate and up ([E, hidden, 2 * ffn]); the SwiGLU kernel reads its halves.
-        w_gate_up = torch.cat([w_gate, w_up], dim=2)
-        return expert_ffn(x, expert_counts, w_gate_up, w_down, gate="swiglu",
+        return expert_ffn(x, expert_counts, (w_gate, w_up), w_down, gate="swiglu",
                           impl=self.resolved_impl(x.device, x.dtype))
 
 

@@ -476,27 +476,33 @@ def _check_zone_counts(op: str, counts: Tensor) -> None:
            f"{tuple(counts.shape)}")
 
 
-def _check_gate_up(op: str, gate_up: Tensor, counts: Tensor) -> None:
+def _glu_width(op: str, gate_up: Tensor, counts: Tensor, up) -> int:
+    """F of the gate's operands (checked as the op checks them)."""
     _check_rows(op, "gate_up", gate_up)
+    _check_zone_counts(op, counts)
+    if up is not None:
+        _check(up.shape == gate_up.shape and up.dtype == gate_up.dtype,
+               f"{op}: up must be {gate_up.dtype} of shape {tuple(gate_up.shape)}, got {up.dtype} of shape "
+               f"{tuple(up.shape)}")
+        return gate_up.shape[1]
     _check(gate_up.shape[1] % 2 == 0,
            f"{op}: gate_up must have an even number of columns (gate and up), got shape {tuple(gate_up.shape)}")
-    _check_zone_counts(op, counts)
+    return gate_up.shape[1] // 2
 
 
 @torch.library.register_fake("te_ep::zone_glu")
-def _zone_glu_fake(gate_up, counts, gate="swiglu", interleaved=False, alpha=1.0, limit=0.0):
-    _check_gate_up("te_ep.zone_glu", gate_up, counts)
-    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+def _zone_glu_fake(gate_up, counts, gate="swiglu", interleaved=False, alpha=1.0, limit=0.0, up=None):
+    return gate_up.new_empty((gate_up.shape[0], _glu_width("te_ep.zone_glu", gate_up, counts, up)))
 
 
 @torch.library.register_fake("te_ep::zone_glu_bwd")
-def _zone_glu_bwd_fake(grad_h, gate_up, counts, gate="swiglu", interleaved=False, alpha=1.0, limit=0.0):
+def _zone_glu_bwd_fake(grad_h, gate_up, counts, gate="swiglu", interleaved=False, alpha=1.0, limit=0.0, up=None):
     op = "te_ep.zone_glu_bwd"
-    _check_gate_up(op, gate_up, counts)
-    _check(grad_h.shape == (gate_up.shape[0], gate_up.shape[1] // 2) and grad_h.dtype == gate_up.dtype,
-           f"{op}: grad_h must be {gate_up.dtype} of shape {(gate_up.shape[0], gate_up.shape[1] // 2)}, got "
+    ffn = _glu_width(op, gate_up, counts, up)
+    _check(grad_h.shape == (gate_up.shape[0], ffn) and grad_h.dtype == gate_up.dtype,
+           f"{op}: grad_h must be {gate_up.dtype} of shape {(gate_up.shape[0], ffn)}, got "
            f"{grad_h.dtype} of shape {tuple(grad_h.shape)}")
-    return gate_up.new_empty(gate_up.shape)
+    return gate_up.new_empty(gate_up.shape), gate_up.new_empty(gate_up.shape if up is not None else (0,))
 
 
 @torch.library.register_fake("te_ep::zone_bias")

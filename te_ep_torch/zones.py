@@ -25,7 +25,7 @@ outputs and in the gradients. The ops that consume these buffers (``combine``,
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -41,15 +41,16 @@ IMPLS = ("grouped_mm", "loop")
 
 
 def zone_glu(gate_up: Tensor, counts: Tensor, gate: str = "swiglu", interleaved: bool = False,
-             alpha: float = 1.0, limit: float = 0.0) -> Tensor:
-    """``[R, F]`` gated activation of ``gate_up [R, 2F]`` on the zones' rows.
+             alpha: float = 1.0, limit: float = 0.0, up: Optional[Tensor] = None) -> Tensor:
+    """``[R, F]`` gated activation on the zones' rows.
 
     ``gate="swiglu"``: ``silu(g) * u``; ``"clamped_swiglu"`` (gpt-oss):
     ``(clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g')`` with ``g' = min(g, limit)``.
-    ``g``/``u`` are the halves of a row, or its even/odd columns with ``interleaved``.
+    ``g``/``u`` are the halves of ``gate_up [R, 2F]``, its even/odd columns with
+    ``interleaved``, or ``gate_up [R, F]`` (the gate) and ``up [R, F]``.
     Each step is rounded to ``gate_up``'s dtype as the eager expression (and its autograd)
     would round it, so the experts of a model give the results of its own implementation."""
-    return torch.ops.te_ep.zone_glu(gate_up, counts, gate, interleaved, alpha, limit)
+    return torch.ops.te_ep.zone_glu(gate_up, counts, gate, interleaved, alpha, limit, up)
 
 
 def zone_bias(y: Tensor, bias: Tensor, counts: Tensor) -> Tensor:
@@ -88,7 +89,7 @@ def grouped_linear(x: Tensor, w: Tensor, counts: Tensor, impl: str = "grouped_mm
 def expert_ffn(
     rows: Tensor,
     counts: Tensor,
-    w1: Tensor,
+    w1: Union[Tensor, Tuple[Tensor, Tensor]],
     w2: Tensor,
     *,
     b1: Optional[Tensor] = None,
@@ -103,17 +104,27 @@ def expert_ffn(
     """The local experts on the zones of ``rows [R, H]``: ``gate(rows @ w1[e] + b1[e]) @ w2[e] + b2[e]``.
 
     ``w1 [E_local, H, 2F]`` holds the gate and up projections (halves, or interleaved
-    columns), ``w2 [E_local, F, H_out]``; biases ``[E_local, 2F]`` / ``[E_local, H_out]``.
+    columns), or is the pair ``(w_gate, w_up)`` of ``[E_local, H, F]`` weights (two grouped
+    GEMMs, as TorchTitan's and te_ep_torch's own experts keep them: no copy of the
+    weights, and the numerics of running them apart); ``w2 [E_local, F, H_out]``; biases
+    ``[E_local, 2F]`` (one ``w1`` only) / ``[E_local, H_out]``.
     ``activation``: a model's own function of the first projection, used instead of the
     gate kernel (for activations the zone kernels do not compute). It runs over every row
     of the buffer, so its cost follows the capacity: the one part here that does.
     Returns ``[R, H_out]`` in ``w2``'s dtype; rows past the zones unspecified."""
     if activation is None and gate not in GATES:
         raise ValueError(f"expert_ffn: gate must be one of {GATES}, got {gate!r}")
-    h = grouped_linear(rows, w1, counts, impl)
-    if b1 is not None:
-        h = zone_bias(h, b1, counts)
-    h = activation(h) if activation is not None else zone_glu(h, counts, gate, interleaved, alpha, limit)
+    if isinstance(w1, (tuple, list)):
+        if b1 is not None or activation is not None or interleaved:
+            raise ValueError("expert_ffn: w1=(w_gate, w_up) takes no b1, activation or interleaved (one w1 does)")
+        w_gate, w_up = w1
+        h = zone_glu(grouped_linear(rows, w_gate, counts, impl), counts, gate, False, alpha, limit,
+                     up=grouped_linear(rows, w_up, counts, impl))
+    else:
+        h = grouped_linear(rows, w1, counts, impl)
+        if b1 is not None:
+            h = zone_bias(h, b1, counts)
+        h = activation(h) if activation is not None else zone_glu(h, counts, gate, interleaved, alpha, limit)
     y = grouped_linear(h, w2, counts, impl)
     if b2 is not None:
         y = zone_bias(y, b2, counts)

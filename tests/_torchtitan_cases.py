@@ -108,10 +108,13 @@ def _bias(scenario: str, ep: int) -> torch.Tensor:
     return bias
 
 
-def _moe_config(dispatcher_cfg, dim: int = DIM) -> MoE.Config:
+def _moe_config(dispatcher_cfg, dim: int = DIM, te_experts: bool = True) -> MoE.Config:
+    # te_experts: TeEpGroupedExperts (what use_te_ep selects) on both sides, so that the
+    # dispatchers are what differs (test_torchtitan.py holds TeEpGroupedExperts to
+    # TorchTitan's GroupedExperts on its own); False: TorchTitan's GroupedExperts.
     experts_cfg = GroupedExperts.Config(dim=dim, hidden_dim=FFN, num_experts=NUM_EXPERTS)
-    if isinstance(dispatcher_cfg, TeEpTokenDispatcher.Config):
-        experts_cfg = te_ep_experts(experts_cfg)  # what use_te_ep selects with the dispatcher
+    if te_experts:
+        experts_cfg = te_ep_experts(experts_cfg)
     cfg = MoE.Config(
         num_experts=NUM_EXPERTS,
         routed_experts=RoutedExperts.Config(
@@ -134,8 +137,8 @@ def _moe_config(dispatcher_cfg, dim: int = DIM) -> MoE.Config:
 
 
 def _build(ctx, pd: ParallelDims, dispatcher_cfg, *, dtype: torch.dtype, bias: torch.Tensor, fsdp: bool,
-           dim: int = DIM) -> MoE:
-    cfg = _moe_config(dispatcher_cfg, dim)
+           dim: int = DIM, te_experts: bool = True) -> MoE:
+    cfg = _moe_config(dispatcher_cfg, dim, te_experts)
     device = torch.device(ctx.device)
     with torch.device(device):
         moe = cfg.build()
@@ -217,6 +220,7 @@ def case_parity(
     dim: int = DIM,
     fp8: bool = False,
     capacity_factor: Optional[float] = None,
+    te_experts: bool = True,
 ):
     """Ours vs TorchTitan's all-to-all dispatcher on the same weights and batch.
 
@@ -230,7 +234,7 @@ def case_parity(
     ours_pd = ref_pd if ours_spmd_backend == "partial_dtensor" else _parallel_dims(ctx, ep, ours_spmd_backend)
 
     ref = _build(ctx, ref_pd, AllToAllTokenDispatcher.Config(num_experts=NUM_EXPERTS, top_k=TOP_K),
-                 dtype=torch_dtype, bias=bias, fsdp=fsdp, dim=dim)
+                 dtype=torch_dtype, bias=bias, fsdp=fsdp, dim=dim, te_experts=te_experts)
     backend = "reference" if ctx.device == "cpu" else "auto"
     sizes = {}
     if compile:
@@ -238,7 +242,7 @@ def case_parity(
         sizes = dict(hidden_dim=dim, num_max_tokens_per_rank=batch * SEQ, dtype=dtype)
     ours_cfg = te_ep_dispatcher(AllToAllTokenDispatcher.Config(num_experts=NUM_EXPERTS, top_k=TOP_K),
                                 backend=backend, fp8_dispatch=fp8, capacity_factor=capacity_factor, **sizes)
-    ours = _build(ctx, ours_pd, ours_cfg, dtype=torch_dtype, bias=bias, fsdp=fsdp, dim=dim)
+    ours = _build(ctx, ours_pd, ours_cfg, dtype=torch_dtype, bias=bias, fsdp=fsdp, dim=dim, te_experts=te_experts)
     dispatcher = ours.routed_experts.token_dispatcher
     if not isinstance(dispatcher, TeEpTokenDispatcher) or dispatcher.ep_mesh is None:
         raise AssertionError(f"the override did not give an EP-wired TeEpTokenDispatcher: {dispatcher!r}")

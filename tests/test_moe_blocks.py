@@ -240,8 +240,8 @@ def test_bench_moe_layer_cpu_shared_expert_and_overlap(tmp_path):
     --overlap adds the overlapped te_ep block (sequential on CPU, same results)."""
     output, rows = _run_bench(tmp_path, "--overlap", "--shared-ffn", "24")
     for q in ("grad shared_gate", "grad shared_up", "grad shared_down"):
-        assert sum(line.split()[:2] == q.split() and line.rstrip().endswith("ok") for line in output.splitlines()) == 2, (
-            f"{q} not verified for both te_ep blocks:\n{output}")
+        assert sum(line.split()[:2] == q.split() and line.rstrip().endswith("ok") for line in output.splitlines()) == 3, (
+            f"{q} not verified for the three te_ep blocks:\n{output}")
     assert "MISMATCH" not in output and "FAILED" not in output, output
     assert [(r["block"], r["backend"]) for r in rows] == [
         ("native", "-"), ("te_ep", "reference"), ("te_ep-default", "reference"), ("te_ep-overlap", "reference"),

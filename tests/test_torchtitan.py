@@ -29,7 +29,11 @@ same backend (the block tests, inductor included) ``atol=1e-5, rtol=1e-4`` (both
 dispatchers hand the grouped GEMM the same rows in the same order, only zero padding
 rows differ; the observed difference is 0); bfloat16, our layer alone inductor-compiled (which
 rounds TorchTitan's bf16 grouped GEMM differently, also with TorchTitan's local
-dispatcher) and GPU: ``max |diff| <= 2e-2 * max |reference|``.
+dispatcher) and GPU: ``max |diff| <= 2e-2 * max |reference|``. Both sides run te_ep's
+``TeEpGroupedExperts`` (what ``use_te_ep`` selects), so the dispatchers are what differs
+(inductor would fuse TorchTitan's own SwiGLU into one rounding, te_ep's kernel rounds as the
+eager expression does); ``TeEpGroupedExperts`` is held to TorchTitan's ``GroupedExperts``
+exactly in eager on its own, and the dispatcher with TorchTitan's own experts once.
 
 All tests skip (with the reason) when torchtitan is not installed; scripts/dev_setup.sh
 installs it.
@@ -95,6 +99,16 @@ def test_matches_all_to_all_dispatcher(pools, world_size, scenario):
     _check_routing(results, scenario)
     _check_diffs(results, relative=False)
     assert "mode='reference'" in results[0]["handle"]
+
+
+def test_dispatcher_with_torchtitans_own_experts_matches_all_to_all(pools):
+    """The te_ep dispatcher alone (TorchTitan's GroupedExperts on its receive buffer, whose rows
+    past the zones the grouped GEMM leaves unwritten): combine's weighting reads only the zones."""
+    from _torchtitan_cases import case_parity
+
+    results = pools.run(2, case_parity, scenario="uneven", te_experts=False, timeout=120)
+    _check_routing(results, "uneven")
+    _check_diffs(results, relative=False)
 
 
 def test_capacity_factor_matches_all_to_all_dispatcher(pools):
@@ -343,7 +357,7 @@ def test_use_te_ep_fills_sizes_from_trainer_config():
     from torchtitan.config import ParallelismConfig, TrainingConfig
     from torchtitan.config.override import OverrideConfig
 
-    from te_ep_torch.integrations.torchtitan import OVERRIDE_TARGET, use_te_ep
+    from te_ep_torch.integrations.torchtitan import EXPERTS_OVERRIDE_TARGET, OVERRIDE_TARGET, use_te_ep
 
     config = types.SimpleNamespace(
         training=TrainingConfig(local_batch_size=4, seq_len=1024),
@@ -354,9 +368,43 @@ def test_use_te_ep_fills_sizes_from_trainer_config():
     use_te_ep(config, capacity_factor=1.25)
     assert config.override.imports == [(OVERRIDE_TARGET, {
         "hidden_dim": 2048, "num_max_tokens_per_rank": 2048, "dtype": "bfloat16", "capacity_factor": 1.25,
-    })]
+    }), EXPERTS_OVERRIDE_TARGET]
     with pytest.raises(ValueError, match="already in override.imports"):
         use_te_ep(config)
+
+
+def test_te_ep_experts_override_keeps_the_experts_and_leaves_subclasses_alone():
+    """te_ep_experts turns the plain GroupedExperts config into TeEpGroupedExperts' (same fields,
+    same parameters), and claims no subclass (a converter's FP8 experts keep their forward)."""
+    from torchtitan.models.common.moe import GroupedExperts
+
+    from te_ep_torch.integrations.torchtitan import TeEpGroupedExperts, te_ep_experts
+
+    cfg = GroupedExperts.Config(dim=16, hidden_dim=24, num_experts=4)
+    new = te_ep_experts(cfg)
+    assert type(new) is TeEpGroupedExperts.Config and (new.dim, new.hidden_dim, new.num_experts) == (16, 24, 4)
+    ours, theirs = new.build(), cfg.build()
+    assert isinstance(ours, TeEpGroupedExperts)
+    assert {n: p.shape for n, p in ours.named_parameters()} == {n: p.shape for n, p in theirs.named_parameters()}
+    # Same output as TorchTitan's forward on the zones (rows past them are unspecified).
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for a, b in zip(ours.parameters(), theirs.parameters()):
+            a.copy_(torch.randn_like(a) * 0.2)
+            b.copy_(a)
+    counts = torch.tensor([3, 0, 5, 2], dtype=torch.int32)
+    # Exact in eager: the same bf16 GEMMs, the SwiGLU rounded as TorchTitan's expression rounds it.
+    x = torch.randn(12, 16)
+    outs = []
+    for m in (ours, theirs):
+        xi = x.clone().requires_grad_(True)
+        y = m(xi, counts)[:10]
+        y.backward(torch.ones_like(y))
+        outs.append((y.detach(), xi.grad[:10], [p.grad for p in m.parameters()]))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=0, atol=0)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=0, atol=0)
+    for a, b in zip(outs[0][2], outs[1][2]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("fault,faulty_says,others_say", [

@@ -42,21 +42,50 @@ def _glu_ref(gate_up, gate, interleaved, alpha, limit):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("gate,interleaved", [("swiglu", False), ("swiglu", True), ("clamped_swiglu", True)])
-def test_zone_glu_values_and_gradient(device, dtype, gate, interleaved):
+@pytest.mark.parametrize("gate,layout", [("swiglu", "halves"), ("swiglu", "interleaved"), ("swiglu", "split"),
+                                         ("clamped_swiglu", "interleaved"), ("clamped_swiglu", "split")])
+def test_zone_glu_values_and_gradient(device, dtype, gate, layout):
     counts = _counts(device)
     total = int(counts.sum())
     alpha, limit = 1.702, 1.5  # limit small enough that the clamps bite on randn inputs
     gate_up = (_rows(total + 6, 16, dtype, device) * 2).requires_grad_()
-    h = zone_glu(gate_up, counts, gate, interleaved, alpha, limit)
+    if layout == "split":
+        # gate and up as two tensors (two grouped GEMMs): the halves of the same data.
+        g_in, u_in = (t.detach().contiguous().requires_grad_() for t in gate_up.split(8, dim=1))
+        h = zone_glu(g_in, counts, gate, False, alpha, limit, up=u_in)
+    else:
+        h = zone_glu(gate_up, counts, gate, layout == "interleaved", alpha, limit)
     assert h.shape == (total + 6, 8) and h.dtype == dtype
     ref_in = gate_up.detach()[:total].float().requires_grad_()
-    ref = _glu_ref(ref_in, gate, interleaved, alpha, limit)
+    ref = _glu_ref(ref_in, gate, layout == "interleaved", alpha, limit)
     torch.testing.assert_close(h[:total].float(), ref, **TOL[dtype])
     grad_h = _rows(total + 6, 8, dtype, device, seed=1)
-    (grad,) = torch.autograd.grad(h, gate_up, grad_h)
+    if layout == "split":
+        grad = torch.cat(torch.autograd.grad(h, (g_in, u_in), grad_h), dim=1)
+    else:
+        (grad,) = torch.autograd.grad(h, gate_up, grad_h)
     ref.backward(grad_h[:total].float())
     torch.testing.assert_close(grad[:total].float(), ref_in.grad, **TOL[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zone_glu_bfloat16_rounds_as_the_eager_expression(device):
+    """In bfloat16 the gates give what the models' eager expressions give (each step rounded),
+    forward and backward: te_ep's experts reproduce the model's own numerics."""
+    counts = _counts(device)
+    total = int(counts.sum())
+    x = (_rows(total, 16, torch.bfloat16, device) * 3).requires_grad_()
+    g, u = x[:, 0::2], x[:, 1::2]
+    ref = (u.clamp(-7.0, 7.0) + 1) * (g.clamp(max=7.0) * torch.sigmoid(g.clamp(max=7.0) * 1.702))
+    h = zone_glu(x, counts, "clamped_swiglu", True, 1.702, 7.0)
+    torch.testing.assert_close(h, ref, rtol=0, atol=0)
+    d = _rows(total, 8, torch.bfloat16, device, seed=4)
+    torch.testing.assert_close(torch.autograd.grad(h, x, d)[0], torch.autograd.grad(ref, x, d)[0], rtol=0, atol=0)
+    gs, us = x[:, :8], x[:, 8:]
+    ref = torch.nn.functional.silu(gs) * us
+    h = zone_glu(x, counts, "swiglu")
+    torch.testing.assert_close(h, ref, rtol=0, atol=0)
+    torch.testing.assert_close(torch.autograd.grad(h, x, d)[0], torch.autograd.grad(ref, x, d)[0], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -121,6 +150,10 @@ def test_bad_arguments_name_the_argument():
         zone_bias(y, torch.zeros(3, 8), counts)
     with pytest.raises(RuntimeError, match="limit must be > 0"):
         zone_glu(y, counts, "clamped_swiglu", True, 1.0, 0.0)
+    with pytest.raises(RuntimeError, match="up must have 10 rows"):
+        zone_glu(y, counts, up=torch.zeros(9, 8))
+    with pytest.raises(RuntimeError, match="interleaved applies to one gate_up tensor"):
+        zone_glu(y, counts, interleaved=True, up=y)
 
 
 def _dense_ffn(x, zone, w1, w2, b1, b2, gate, interleaved, alpha, limit):
@@ -133,8 +166,10 @@ def _dense_ffn(x, zone, w1, w2, b1, b2, gate, interleaved, alpha, limit):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("with_bias,gate,interleaved", [(False, "swiglu", False), (True, "clamped_swiglu", True)])
-def test_expert_ffn_matches_dense_experts(device, with_bias, gate, interleaved):
+@pytest.mark.parametrize("with_bias,gate,interleaved,split", [(False, "swiglu", False, False),
+                                                               (False, "swiglu", False, True),
+                                                               (True, "clamped_swiglu", True, False)])
+def test_expert_ffn_matches_dense_experts(device, with_bias, gate, interleaved, split):
     counts = _counts(device)
     total = int(counts.sum())
     zone = torch.repeat_interleave(torch.arange(4, device=device), counts.long())
@@ -145,7 +180,7 @@ def test_expert_ffn_matches_dense_experts(device, with_bias, gate, interleaved):
     b1 = _rows(4, 2 * ffn, torch.float32, device, 3).requires_grad_() if with_bias else None
     b2 = _rows(4, hidden, torch.float32, device, 4).requires_grad_() if with_bias else None
     kw = dict(gate=gate, interleaved=interleaved, alpha=1.702, limit=7.0)
-    y = expert_ffn(x, counts, w1, w2, b1=b1, b2=b2, impl="loop", **kw)
+    y = expert_ffn(x, counts, (w1[..., :ffn], w1[..., ffn:]) if split else w1, w2, b1=b1, b2=b2, impl="loop", **kw)
     ref = _dense_ffn(x[:total], zone, w1, w2, b1, b2, **kw)
     torch.testing.assert_close(y[:total], ref, rtol=1e-4, atol=1e-4)
     params = [x, w1, w2] + ([b1, b2] if with_bias else [])
@@ -170,6 +205,8 @@ def test_expert_ffn_model_activation():
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="gate must be one of"):
         expert_ffn(x, counts, w1, w2, gate="relu")
+    with pytest.raises(ValueError, match=r"w1=\(w_gate, w_up\) takes no b1"):
+        expert_ffn(x, counts, (w1, w1), w2, b1=torch.zeros(4, 6))
     with pytest.raises(ValueError, match="impl must be one of"):
         grouped_linear(x, w1, counts, impl="dense")
 
@@ -187,6 +224,8 @@ def test_weighted_for_combine_without_a_window_is_zone_scale():
     [
         ("zone_glu", lambda c: (torch.randn(10, 8, requires_grad=True), c, "swiglu", False, 1.0, 0.0)),
         ("zone_glu", lambda c: (torch.randn(10, 8, requires_grad=True), c, "clamped_swiglu", True, 1.7, 7.0)),
+        ("zone_glu", lambda c: (torch.randn(10, 4, requires_grad=True), c, "swiglu", False, 1.0, 0.0,
+                                torch.randn(10, 4, requires_grad=True))),
         ("zone_bias", lambda c: (torch.randn(10, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True), c)),
         ("zone_scale", lambda c: (torch.randn(10, 8, requires_grad=True), torch.rand(10, requires_grad=True), c)),
         ("zone_scale_bwd", lambda c: (torch.randn(10, 8), torch.randn(10, 8), torch.rand(10), c)),

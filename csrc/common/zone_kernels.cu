@@ -78,11 +78,6 @@ __device__ inline int64_t zone_of(int64_t row, const int64_t* ends, int64_t zone
 
 __device__ inline float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
 
-__device__ inline void gate_columns(int64_t c, int64_t ffn, bool interleaved, int64_t* g, int64_t* u) {
-  *g = interleaved ? 2 * c : c;
-  *u = interleaved ? 2 * c + 1 : ffn + c;
-}
-
 // x rounded to T and back: the gates round after each step, as the models' eager
 // expressions do in their dtype (identity for float32), so te_ep's experts give the
 // results of the model's own experts.
@@ -92,17 +87,15 @@ __device__ inline float rnd(float x) {
 }
 
 template <typename T>
-__global__ void glu_kernel(const T* gate_up, int64_t ld, int64_t rows, int64_t ffn, const int32_t* counts,
-                           int64_t zones, GateSpec spec, T* h) {
+__global__ void glu_kernel(GluPair<const T*> in, int64_t rows, int64_t ffn, const int32_t* counts, int64_t zones,
+                           GateSpec spec, T* h) {
   const int64_t total = rows_in_use(counts, zones, rows);
   for (int64_t row = blockIdx.x; row < total; row += gridDim.x) {
-    const T* in = gate_up + row * ld;
     T* out = h + row * ffn;
     for (int64_t c = threadIdx.x; c < ffn; c += blockDim.x) {
-      int64_t gi, ui;
-      gate_columns(c, ffn, spec.interleaved, &gi, &ui);
-      const float g = as_float(in[gi]);
-      const float u = as_float(in[ui]);
+      const int64_t at = row * in.ld + c * in.step;
+      const float g = as_float(in.gate[at]);
+      const float u = as_float(in.up[at]);
       float v;
       if (spec.gate == Gate::kSilu) {
         v = rnd<T>(g * sigmoid(g)) * u;  // silu(g) * u
@@ -120,18 +113,15 @@ __global__ void glu_kernel(const T* gate_up, int64_t ld, int64_t rows, int64_t f
 // The gradient of glu_kernel's expression, step by step as autograd takes it (each
 // step's result rounded to T).
 template <typename T>
-__global__ void glu_bwd_kernel(const T* grad_h, const T* gate_up, int64_t ld, int64_t rows, int64_t ffn,
-                               const int32_t* counts, int64_t zones, GateSpec spec, T* grad_gate_up) {
+__global__ void glu_bwd_kernel(const T* grad_h, GluPair<const T*> in, int64_t rows, int64_t ffn,
+                               const int32_t* counts, int64_t zones, GateSpec spec, GluPair<T*> grad) {
   const int64_t total = rows_in_use(counts, zones, rows);
   for (int64_t row = blockIdx.x; row < total; row += gridDim.x) {
-    const T* in = gate_up + row * ld;
     const T* gh = grad_h + row * ffn;
-    T* out = grad_gate_up + row * 2 * ffn;
     for (int64_t c = threadIdx.x; c < ffn; c += blockDim.x) {
-      int64_t gi, ui;
-      gate_columns(c, ffn, spec.interleaved, &gi, &ui);
-      const float g = as_float(in[gi]);
-      const float u = as_float(in[ui]);
+      const int64_t at = row * in.ld + c * in.step;
+      const float g = as_float(in.gate[at]);
+      const float u = as_float(in.up[at]);
       const float d = as_float(gh[c]);
       float dg, du;
       if (spec.gate == Gate::kSilu) {
@@ -151,8 +141,9 @@ __global__ void glu_bwd_kernel(const T* grad_h, const T* gate_up, int64_t ld, in
         dg = g <= spec.limit ? d_gc : 0.0f;
         du = (u >= -spec.limit && u <= spec.limit) ? d * glu : 0.0f;
       }
-      out[gi] = from_float<T>(dg);
-      out[ui] = from_float<T>(du);
+      const int64_t to = row * grad.ld + c * grad.step;
+      grad.gate[to] = from_float<T>(dg);
+      grad.up[to] = from_float<T>(du);
     }
   }
 }
@@ -248,25 +239,29 @@ cudaError_t with_type(DType dtype, F&& f) {
 
 }  // namespace
 
-cudaError_t glu_cuda(const void* gate_up, int64_t ld, DType dtype, int64_t rows, int64_t ffn, const int32_t* counts,
+template <typename T, typename P>
+GluPair<T> typed(GluPair<P> p) {
+  return {static_cast<T>(p.gate), static_cast<T>(p.up), p.ld, p.step};
+}
+
+cudaError_t glu_cuda(GluPair<const void*> in, DType dtype, int64_t rows, int64_t ffn, const int32_t* counts,
                      int64_t zones, GateSpec spec, void* h, cudaStream_t stream) {
   if (rows == 0 || ffn == 0) return cudaSuccess;
   return with_type(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    glu_kernel<T><<<blocks_for(rows), kThreads, 0, stream>>>(static_cast<const T*>(gate_up), ld, rows, ffn, counts, zones,
-                                                             spec, static_cast<T*>(h));
+    glu_kernel<T><<<blocks_for(rows), kThreads, 0, stream>>>(typed<const T*>(in), rows, ffn, counts, zones, spec,
+                                                             static_cast<T*>(h));
   });
 }
 
-cudaError_t glu_bwd_cuda(const void* grad_h, const void* gate_up, int64_t ld, DType dtype, int64_t rows, int64_t ffn,
-                         const int32_t* counts, int64_t zones, GateSpec spec, void* grad_gate_up,
+cudaError_t glu_bwd_cuda(const void* grad_h, GluPair<const void*> in, DType dtype, int64_t rows, int64_t ffn,
+                         const int32_t* counts, int64_t zones, GateSpec spec, GluPair<void*> grad,
                          cudaStream_t stream) {
   if (rows == 0 || ffn == 0) return cudaSuccess;
   return with_type(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    glu_bwd_kernel<T><<<blocks_for(rows), kThreads, 0, stream>>>(
-        static_cast<const T*>(grad_h), static_cast<const T*>(gate_up), ld, rows, ffn, counts, zones, spec,
-        static_cast<T*>(grad_gate_up));
+    glu_bwd_kernel<T><<<blocks_for(rows), kThreads, 0, stream>>>(static_cast<const T*>(grad_h), typed<const T*>(in),
+                                                                 rows, ffn, counts, zones, spec, typed<T*>(grad));
   });
 }
 

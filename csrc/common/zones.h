@@ -21,19 +21,27 @@
 namespace te_ep {
 namespace zones {
 
-// The gate of a gated expert FFN, applied to its first projection [rows, 2F]:
+// The gate of a gated expert FFN, applied to its gate and up projections:
 //   kSilu:    h = silu(gate) * up                                     (SwiGLU)
 //   kClamped: g = min(gate, limit), u = clamp(up, -limit, limit),
 //             h = (u + 1) * g * sigmoid(alpha * g)                    (gpt-oss)
-// gate/up are the two halves of a row ([gate | up]) or interleaved
-// (gate at even columns, up at odd ones).
 enum class Gate : int { kSilu = 0, kClamped = 1 };
 
 struct GateSpec {
   Gate gate = Gate::kSilu;
-  bool interleaved = false;
   float alpha = 1.0f;
   float limit = 0.0f;
+};
+
+// Where the gate's two operands (or their gradients) are: element (r, c) of the
+// gate at gate[r * ld + c * step], of up at up[r * ld + c * step]. The halves of
+// one [rows, 2F] tensor, its interleaved columns, or two [rows, F] tensors.
+template <typename P>
+struct GluPair {
+  P gate;
+  P up;
+  int64_t ld;
+  int64_t step;
 };
 
 // Zones of more local experts than this are refused by the adapters (the
@@ -41,12 +49,13 @@ struct GateSpec {
 constexpr int64_t kMaxZones = 1024;
 
 #if TE_EP_WITH_CUDA
-// h [rows, F] from gate_up [rows, 2F] (row stride `ld` elements).
-cudaError_t glu_cuda(const void* gate_up, int64_t ld, DType dtype, int64_t rows, int64_t ffn, const int32_t* counts,
+// h [rows, F] (contiguous) from the gate and up operands.
+cudaError_t glu_cuda(GluPair<const void*> in, DType dtype, int64_t rows, int64_t ffn, const int32_t* counts,
                      int64_t zones, GateSpec spec, void* h, cudaStream_t stream);
-// grad_gate_up [rows, 2F] from grad_h [rows, F] and the forward input.
-cudaError_t glu_bwd_cuda(const void* grad_h, const void* gate_up, int64_t ld, DType dtype, int64_t rows, int64_t ffn,
-                         const int32_t* counts, int64_t zones, GateSpec spec, void* grad_gate_up, cudaStream_t stream);
+// The operands' gradients from grad_h [rows, F] (contiguous) and the forward operands.
+cudaError_t glu_bwd_cuda(const void* grad_h, GluPair<const void*> in, DType dtype, int64_t rows, int64_t ffn,
+                         const int32_t* counts, int64_t zones, GateSpec spec, GluPair<void*> grad,
+                         cudaStream_t stream);
 // out [rows, N] = y + bias[zone of the row]   (bias [zones, N], same dtype).
 cudaError_t bias_cuda(const void* y, const void* bias, DType dtype, int64_t rows, int64_t n, const int32_t* counts,
                       int64_t zones, void* out, cudaStream_t stream);

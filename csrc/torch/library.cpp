@@ -73,15 +73,16 @@ TORCH_LIBRARY(te_ep, m) {
   // Row-wise work on an expert-major buffer bounded by the rows in use
   // (counts [E_local] int32 zone sizes summed on the device); rows past them
   // are not written (docs/ops.md, "Zone ops"). Added in 0.3.0.
-  // h = gate(gate_up) [rows, F] from gate_up [rows, 2F]: gate "swiglu"
-  // (silu(g) * u) or "clamped_swiglu" (gpt-oss: alpha, limit); halves
-  // [g | u] or interleaved columns.
+  // h = gate(g, u) [rows, F]: gate "swiglu" (silu(g) * u) or
+  // "clamped_swiglu" (gpt-oss: alpha, limit). g and u are the halves of
+  // gate_up [rows, 2F], its interleaved columns, or gate_up [rows, F] and up.
+  // The backward returns the gradient of gate_up and that of up ([0] without up).
   m.def(
       "zone_glu(Tensor gate_up, Tensor counts, str gate=\"swiglu\", bool interleaved=False, float alpha=1.0, "
-      "float limit=0.0) -> Tensor");
+      "float limit=0.0, Tensor? up=None) -> Tensor");
   m.def(
       "zone_glu_bwd(Tensor grad_h, Tensor gate_up, Tensor counts, str gate=\"swiglu\", bool interleaved=False, "
-      "float alpha=1.0, float limit=0.0) -> Tensor");
+      "float alpha=1.0, float limit=0.0, Tensor? up=None) -> (Tensor grad_gate_up, Tensor grad_up)");
   // y [rows, N] + bias [E_local, N] of each row's zone; its backward's bias gradient.
   m.def("zone_bias(Tensor y, Tensor bias, Tensor counts) -> Tensor");
   m.def("zone_bias_bwd(Tensor grad, Tensor counts) -> Tensor");

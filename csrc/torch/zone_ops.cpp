@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "common/zones.h"
 #include "torch/dtype.h"
@@ -64,7 +65,7 @@ void check_weights(const char* op, const Tensor& w, const Tensor& y) {
   TORCH_CHECK(w.device() == y.device(), "te_ep.", op, ": weights must be on ", y.device(), ", got ", w.device());
 }
 
-zones::GateSpec gate_spec(const char* op, c10::string_view gate, bool interleaved, double alpha, double limit) {
+zones::GateSpec gate_spec(const char* op, c10::string_view gate, double alpha, double limit) {
   zones::GateSpec spec;
   if (gate == "swiglu") {
     spec.gate = zones::Gate::kSilu;
@@ -74,7 +75,6 @@ zones::GateSpec gate_spec(const char* op, c10::string_view gate, bool interleave
   } else {
     TORCH_CHECK(false, "te_ep.", op, ": gate must be 'swiglu' or 'clamped_swiglu', got '", std::string(gate), "'");
   }
-  spec.interleaved = interleaved;
   spec.alpha = static_cast<float>(alpha);
   spec.limit = static_cast<float>(limit);
   return spec;
@@ -85,43 +85,69 @@ int64_t cpu_rows_in_use(const Tensor& counts, int64_t rows) {
   return std::min<int64_t>(counts.sum().item<int64_t>(), rows);
 }
 
-std::tuple<Tensor, Tensor> gate_and_up(const Tensor& gate_up, int64_t ffn, bool interleaved) {
-  if (interleaved) return {gate_up.slice(1, 0, 2 * ffn, 2), gate_up.slice(1, 1, 2 * ffn, 2)};
-  return {gate_up.narrow(1, 0, ffn), gate_up.narrow(1, ffn, ffn)};
+// The gate's operands: `gate_up` [rows, 2F] (halves, or interleaved columns), or
+// `gate_up` = the gate [rows, F] and `up` [rows, F]. Checks them and returns
+// (gate view, up view, F).
+std::tuple<Tensor, Tensor, int64_t> gate_operands(const char* op, const Tensor& gate_up,
+                                                  const std::optional<Tensor>& up, bool interleaved) {
+  check_rows(op, "gate_up", gate_up);
+  if (up.has_value()) {
+    TORCH_CHECK(!interleaved, "te_ep.", op, ": interleaved applies to one gate_up tensor, not to gate_up and up");
+    check_rows(op, "up", *up, gate_up.size(0), gate_up.size(1));
+    check_same(op, "up", *up, gate_up, "gate_up");
+    return {gate_up, *up, gate_up.size(1)};
+  }
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "te_ep.", op, ": gate_up must have an even number of columns (gate and up), "
+              "got shape ", gate_up.sizes());
+  const int64_t ffn = gate_up.size(1) / 2;
+  if (interleaved) return {gate_up.slice(1, 0, 2 * ffn, 2), gate_up.slice(1, 1, 2 * ffn, 2), ffn};
+  return {gate_up.narrow(1, 0, ffn), gate_up.narrow(1, ffn, ffn), ffn};
 }
-
-// gate_up as the kernels read it: unit column stride, rows `ld` apart.
-Tensor row_major(const Tensor& t) { return t.stride(1) == 1 && t.stride(0) >= t.size(1) ? t : t.contiguous(); }
 
 #if TE_EP_WITH_CUDA
 cudaStream_t stream_of(const Tensor& t) { return at::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+
+// The kernels' view of (gate, up): both share one row stride and one column step.
+template <typename P>
+zones::GluPair<P> glu_pair(const Tensor& gate, const Tensor& up) {
+  TORCH_INTERNAL_ASSERT(gate.stride(0) == up.stride(0) && gate.stride(1) == up.stride(1));
+  return {static_cast<P>(gate.data_ptr()), static_cast<P>(up.data_ptr()), gate.stride(0), gate.stride(1)};
+}
 #endif
 
+// (gate, up) as the kernels read them: one row stride and one column step for both.
+std::tuple<Tensor, Tensor> kernel_operands(const char* op, const Tensor& gate_up, const std::optional<Tensor>& up,
+                                           bool interleaved) {
+  if (up.has_value()) return {gate_up.contiguous(), up->contiguous()};
+  const Tensor base = gate_up.stride(1) == 1 ? gate_up : gate_up.contiguous();
+  auto [g, u, ffn] = gate_operands(op, base, std::nullopt, interleaved);
+  (void)ffn;
+  return {g, u};
+}
+
 Tensor zone_glu(const Tensor& gate_up, const Tensor& counts, c10::string_view gate, bool interleaved, double alpha,
-                double limit) {
+                double limit, const std::optional<Tensor>& up) {
   const char* op = "zone_glu";
   const DType dtype = row_dtype(op, "gate_up", gate_up);
-  check_rows(op, "gate_up", gate_up);
-  TORCH_CHECK(gate_up.size(1) % 2 == 0, "te_ep.", op, ": gate_up must have an even number of columns (gate and up), "
-              "got shape ", gate_up.sizes());
+  auto [g, u, ffn] = gate_operands(op, gate_up, up, interleaved);
   check_counts(op, counts, gate_up);
-  const zones::GateSpec spec = gate_spec(op, gate, interleaved, alpha, limit);
+  const zones::GateSpec spec = gate_spec(op, gate, alpha, limit);
   const c10::DeviceGuard guard(gate_up.device());
   const int64_t rows = gate_up.size(0);
-  const int64_t ffn = gate_up.size(1) / 2;
   Tensor h = at::empty({rows, ffn}, gate_up.options());
   if (gate_up.is_cuda()) {
 #if TE_EP_WITH_CUDA
-    const Tensor in = row_major(gate_up);
-    C10_CUDA_CHECK(zones::glu_cuda(in.data_ptr(), in.stride(0), dtype, rows, ffn, counts.data_ptr<int32_t>(),
-                                   counts.size(0), spec, h.data_ptr(), stream_of(in)));
+    auto [kg, ku] = kernel_operands(op, gate_up, up, interleaved);
+    C10_CUDA_CHECK(zones::glu_cuda(glu_pair<const void*>(kg, ku), dtype, rows, ffn, counts.data_ptr<int32_t>(),
+                                   counts.size(0), spec, h.data_ptr(), stream_of(kg)));
 #endif
     return h;
   }
   (void)dtype;
   // The model's eager expression in gate_up's dtype (the CUDA kernel rounds as it does).
   const int64_t total = cpu_rows_in_use(counts, rows);
-  auto [g, u] = gate_and_up(gate_up.narrow(0, 0, total), ffn, interleaved);
+  g = g.narrow(0, 0, total);
+  u = u.narrow(0, 0, total);
   Tensor v;
   if (spec.gate == zones::Gate::kSilu) {
     v = at::silu(g) * u;
@@ -134,35 +160,40 @@ Tensor zone_glu(const Tensor& gate_up, const Tensor& counts, c10::string_view ga
   return h;
 }
 
-Tensor zone_glu_bwd(const Tensor& grad_h, const Tensor& gate_up, const Tensor& counts, c10::string_view gate,
-                    bool interleaved, double alpha, double limit) {
+std::tuple<Tensor, Tensor> zone_glu_bwd(const Tensor& grad_h, const Tensor& gate_up, const Tensor& counts,
+                                        c10::string_view gate, bool interleaved, double alpha, double limit,
+                                        const std::optional<Tensor>& up) {
   const char* op = "zone_glu_bwd";
   const DType dtype = row_dtype(op, "gate_up", gate_up);
-  check_rows(op, "gate_up", gate_up);
-  TORCH_CHECK(gate_up.size(1) % 2 == 0, "te_ep.", op, ": gate_up must have an even number of columns, got shape ",
-              gate_up.sizes());
+  auto [g, u, ffn] = gate_operands(op, gate_up, up, interleaved);
   const int64_t rows = gate_up.size(0);
-  const int64_t ffn = gate_up.size(1) / 2;
   check_rows(op, "grad_h", grad_h, rows, ffn);
   check_same(op, "grad_h", grad_h, gate_up, "gate_up");
   check_counts(op, counts, gate_up);
-  const zones::GateSpec spec = gate_spec(op, gate, interleaved, alpha, limit);
+  const zones::GateSpec spec = gate_spec(op, gate, alpha, limit);
   const c10::DeviceGuard guard(gate_up.device());
-  Tensor grad = at::empty({rows, 2 * ffn}, gate_up.options());
+  // The gradients in the operands' layout: [rows, 2F] for one gate_up, two [rows, F] with up.
+  const std::vector<int64_t> grad_shape{rows, up.has_value() ? ffn : 2 * ffn};
+  Tensor grad = at::empty(grad_shape, gate_up.options());
+  Tensor grad_up = up.has_value() ? at::empty({rows, ffn}, gate_up.options()) : at::empty({0}, gate_up.options());
+  auto [out_g, out_u, out_ffn] =
+      gate_operands(op, grad, up.has_value() ? std::optional<Tensor>(grad_up) : std::nullopt, interleaved);
+  (void)out_ffn;
   if (gate_up.is_cuda()) {
 #if TE_EP_WITH_CUDA
-    const Tensor in = row_major(gate_up);
+    auto [kg, ku] = kernel_operands(op, gate_up, up, interleaved);
     const Tensor gh = grad_h.contiguous();
-    C10_CUDA_CHECK(zones::glu_bwd_cuda(gh.data_ptr(), in.data_ptr(), in.stride(0), dtype, rows, ffn,
-                                       counts.data_ptr<int32_t>(), counts.size(0), spec, grad.data_ptr(),
-                                       stream_of(in)));
+    C10_CUDA_CHECK(zones::glu_bwd_cuda(gh.data_ptr(), glu_pair<const void*>(kg, ku), dtype, rows, ffn,
+                                       counts.data_ptr<int32_t>(), counts.size(0), spec,
+                                       glu_pair<void*>(out_g, out_u), stream_of(kg)));
 #endif
-    return grad;
+    return {grad, grad_up};
   }
   (void)dtype;
   // Autograd's steps through the eager expression, in gate_up's dtype.
   const int64_t total = cpu_rows_in_use(counts, rows);
-  auto [g, u] = gate_and_up(gate_up.narrow(0, 0, total), ffn, interleaved);
+  g = g.narrow(0, 0, total);
+  u = u.narrow(0, 0, total);
   const Tensor d = grad_h.narrow(0, 0, total);
   Tensor dg, du;
   if (spec.gate == zones::Gate::kSilu) {
@@ -178,10 +209,9 @@ Tensor zone_glu_bwd(const Tensor& grad_h, const Tensor& gate_up, const Tensor& c
     dg = at::where(g <= limit, d_glu * sg + d_ga * alpha, 0);
     du = at::where((u >= -limit).logical_and(u <= limit), d * glu, 0);
   }
-  auto [out_g, out_u] = gate_and_up(grad.narrow(0, 0, total), ffn, interleaved);
-  out_g.copy_(dg);
-  out_u.copy_(du);
-  return grad;
+  out_g.narrow(0, 0, total).copy_(dg);
+  out_u.narrow(0, 0, total).copy_(du);
+  return {grad, grad_up};
 }
 
 Tensor zone_bias(const Tensor& y, const Tensor& bias, const Tensor& counts) {

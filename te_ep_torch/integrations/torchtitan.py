@@ -56,7 +56,7 @@ from torchtitan.models.common.moe import GroupedExperts
 from .. import group as _group
 from ..autograd import ep_combine, ep_dispatch, ep_dispatch_fp8
 from ..group import BACKENDS, CHECKS, NCCL_EP_MODES, EpHandle
-from ..moe import GROUPED_MM_ALIGNMENT, grouped_mm_supported
+from ..moe import GROUPED_MM_ALIGNMENT
 from ..ops import FP8_BLOCK
 from ..parallel import ep_group_for
 from ..zones import expert_ffn, weighted_for_combine
@@ -316,8 +316,9 @@ class TeEpGroupedExperts(GroupedExperts):
 
     Same parameters (``w1_EFD``, ``w2_EDF``, ``w3_EFD``), so checkpoints, FSDP and EP
     sharding are unchanged; the forward computes ``w2(silu(w1 x) * w3 x)`` in bfloat16 as
-    TorchTitan's does, through :func:`te_ep_torch.zones.expert_ffn`: one grouped GEMM for
-    w1 and w3, the SwiGLU kernel, the w2 grouped GEMM, each bounded by the rows in use.
+    TorchTitan's does (same GEMMs, same roundings), through
+    :func:`te_ep_torch.zones.expert_ffn`: the w1 and w3 grouped GEMMs, the SwiGLU kernel,
+    the w2 grouped GEMM, each bounded by the rows in use.
     TorchTitan's own forward runs its activation over every row of te_ep's receive buffer,
     whose size is the worst case (every token of every rank): that work grows with the
     number of GPUs, this one does not. Selected by the :func:`te_ep_experts` override.
@@ -328,13 +329,11 @@ class TeEpGroupedExperts(GroupedExperts):
         pass
 
     def forward(self, x_RD: Tensor, num_tokens_per_expert_E: Tensor) -> Tensor:
-        w1, w2, w3 = (_local(p) for p in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
-        # [E, F, D] each -> [E, D, 2F]: gate (w1) and up (w3) halves of one grouped GEMM.
-        w13 = torch.cat([w1, w3], dim=1).bfloat16().transpose(-2, -1)
-        x = x_RD.bfloat16()
-        impl = "grouped_mm" if grouped_mm_supported(x.device, x.dtype, *w1.shape[1:]) else "loop"
+        w1, w2, w3 = (_local(p).bfloat16().transpose(-2, -1) for p in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
         counts = num_tokens_per_expert_E.to(torch.int32)
-        y = expert_ffn(x, counts, w13, w2.bfloat16().transpose(-2, -1), gate="swiglu", impl=impl)
+        # torch._grouped_mm on every device, and x cast to bfloat16 by each GEMM (its two
+        # gradients then add in x's dtype), as TorchTitan's own forward does.
+        y = expert_ffn(x_RD, counts, (w1, w3), w2, gate="swiglu", impl="grouped_mm")
         return y.type_as(x_RD)
 
 

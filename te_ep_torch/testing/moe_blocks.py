@@ -175,8 +175,7 @@ class _MoEBase(torch.nn.Module):
         """The experts on expert-major rows in ``E_local`` zones of ``expert_counts`` rows:
         te_ep_torch.zones' expert FFN (work bounded by the rows in use) with the grouped GEMM."""
         if self.gemm == "grouped_mm":
-            w_gate_up = torch.cat([self.w_gate, self.w_up], dim=2)
-            return expert_ffn(tokens, expert_counts, w_gate_up, self.w_down, impl="grouped_mm")
+            return expert_ffn(tokens, expert_counts, (self.w_gate, self.w_up), self.w_down, impl="grouped_mm")
         # The loop needs the zone sizes on the host: a sync the grouped GEMM avoids.
         return swiglu_loop(tokens, expert_counts.tolist(), self.w_gate, self.w_up, self.w_down)
 
