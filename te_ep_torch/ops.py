@@ -523,6 +523,16 @@ def _zone_bias_bwd_fake(grad, counts):
     return grad.new_empty((counts.shape[0], grad.shape[1]))
 
 
+@torch.library.register_fake("te_ep::zone_add")
+def _zone_add_fake(a, b, counts):
+    op = "te_ep.zone_add"
+    _check_rows(op, "a", a)
+    _check_zone_counts(op, counts)
+    _check(b.shape == a.shape and b.dtype == a.dtype,
+           f"{op}: b must be {a.dtype} of shape {tuple(a.shape)}, got {b.dtype} of shape {tuple(b.shape)}")
+    return a.new_empty(a.shape)
+
+
 def _check_zone_scale(op: str, y: Tensor, weights: Tensor, counts: Tensor) -> None:
     _check_rows(op, "y", y)
     _check_probs(op, "weights", weights, (y.shape[0],))

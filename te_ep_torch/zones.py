@@ -63,6 +63,24 @@ def zone_scale(y: Tensor, weights: Tensor, counts: Tensor) -> Tensor:
     return torch.ops.te_ep.zone_scale(y, weights, counts)
 
 
+class _Fork(torch.autograd.Function):
+    """``x`` twice, for two ops that read it: autograd would sum their gradients over every
+    row of the buffer; this sums them on the zones' rows (``te_ep.zone_add``, rounded once,
+    as autograd's sum is)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, counts: Tensor):
+        ctx.save_for_backward(counts)
+        return x.view_as(x), x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g1: Optional[Tensor], g2: Optional[Tensor]):
+        (counts,) = ctx.saved_tensors
+        if g1 is None or g2 is None:
+            return (g1 if g2 is None else g2), None
+        return torch.ops.te_ep.zone_add(g1.contiguous(), g2.contiguous(), counts), None
+
+
 def grouped_linear(x: Tensor, w: Tensor, counts: Tensor, impl: str = "grouped_mm") -> Tensor:
     """``x @ w[e]`` for the rows of zone ``e``; ``x [R, in]``, ``w [E_local, in, out]`` -> ``[R, out]``.
 
@@ -118,8 +136,9 @@ def expert_ffn(
         if b1 is not None or activation is not None or interleaved:
             raise ValueError("expert_ffn: w1=(w_gate, w_up) takes no b1, activation or interleaved (one w1 does)")
         w_gate, w_up = w1
-        h = zone_glu(grouped_linear(rows, w_gate, counts, impl), counts, gate, False, alpha, limit,
-                     up=grouped_linear(rows, w_up, counts, impl))
+        for_gate, for_up = _Fork.apply(rows, counts) if rows.requires_grad else (rows, rows)
+        h = zone_glu(grouped_linear(for_gate, w_gate, counts, impl), counts, gate, False, alpha, limit,
+                     up=grouped_linear(for_up, w_up, counts, impl))
     else:
         h = grouped_linear(rows, w1, counts, impl)
         if b1 is not None:

@@ -72,20 +72,23 @@ def test_zone_glu_values_and_gradient(device, dtype, gate, layout):
 def test_zone_glu_bfloat16_rounds_as_the_eager_expression(device):
     """In bfloat16 the gates give what the models' eager expressions give (each step rounded),
     forward and backward: te_ep's experts reproduce the model's own numerics."""
+    # Bit for bit on the CPU (the same ATen expression); on CUDA within one bfloat16 unit
+    # (the kernel's sigmoid uses the fast exponential, torch's its own).
+    exact = dict(rtol=0, atol=0) if device == "cpu" else dict(rtol=2**-7, atol=2**-7)
     counts = _counts(device)
     total = int(counts.sum())
     x = (_rows(total, 16, torch.bfloat16, device) * 3).requires_grad_()
     g, u = x[:, 0::2], x[:, 1::2]
     ref = (u.clamp(-7.0, 7.0) + 1) * (g.clamp(max=7.0) * torch.sigmoid(g.clamp(max=7.0) * 1.702))
     h = zone_glu(x, counts, "clamped_swiglu", True, 1.702, 7.0)
-    torch.testing.assert_close(h, ref, rtol=0, atol=0)
+    torch.testing.assert_close(h, ref, **exact)
     d = _rows(total, 8, torch.bfloat16, device, seed=4)
-    torch.testing.assert_close(torch.autograd.grad(h, x, d)[0], torch.autograd.grad(ref, x, d)[0], rtol=0, atol=0)
+    torch.testing.assert_close(torch.autograd.grad(h, x, d)[0], torch.autograd.grad(ref, x, d)[0], **exact)
     gs, us = x[:, :8], x[:, 8:]
     ref = torch.nn.functional.silu(gs) * us
     h = zone_glu(x, counts, "swiglu")
-    torch.testing.assert_close(h, ref, rtol=0, atol=0)
-    torch.testing.assert_close(torch.autograd.grad(h, x, d)[0], torch.autograd.grad(ref, x, d)[0], rtol=0, atol=0)
+    torch.testing.assert_close(h, ref, **exact)
+    torch.testing.assert_close(torch.autograd.grad(h, x, d)[0], torch.autograd.grad(ref, x, d)[0], **exact)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -125,6 +128,30 @@ def test_zone_bias_and_scale_gradients(device, dtype):
     torch.testing.assert_close(gb.float(), rb.grad, **TOL[dtype])
     torch.testing.assert_close(gw[:total], rw.grad, **TOL[dtype])
     assert (gw[total:] == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zone_add_and_the_fork_of_a_twice_read_input(device):
+    """The gradient of rows two grouped GEMMs read is summed on the zones' rows only, with
+    one rounding (autograd's own sum would cover the whole buffer)."""
+    counts = _counts(device)
+    total = int(counts.sum())
+    a, b = _rows(total + 4, 8, torch.bfloat16, device), _rows(total + 4, 8, torch.bfloat16, device, 1)
+    out = torch.ops.te_ep.zone_add(a, b, counts)
+    torch.testing.assert_close(out[:total], a[:total] + b[:total], rtol=0, atol=0)
+    x = _rows(total + 4, 8, torch.float32, device).requires_grad_()
+    w1 = _rows(32, 6, torch.float32, device, 1).view(4, 8, 6)
+    w2 = _rows(32, 6, torch.float32, device, 2).view(4, 8, 6)
+    w3 = _rows(24, 8, torch.float32, device, 3).view(4, 6, 8)
+    y = expert_ffn(x, counts, (w1, w2), w3, impl="loop")
+    g = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, x, g)
+    xr = x.detach().requires_grad_()
+    zone = torch.repeat_interleave(torch.arange(4, device=device), counts.long())
+    h = F.silu(torch.einsum("rh,rhf->rf", xr[:total], w1[zone])) * torch.einsum("rh,rhf->rf", xr[:total], w2[zone])
+    ref = torch.einsum("rf,rfo->ro", h, w3[zone])
+    (gr,) = torch.autograd.grad(ref, xr, g[:total])
+    torch.testing.assert_close(gx[:total], gr[:total], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -229,6 +256,7 @@ def test_weighted_for_combine_without_a_window_is_zone_scale():
         ("zone_bias", lambda c: (torch.randn(10, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True), c)),
         ("zone_scale", lambda c: (torch.randn(10, 8, requires_grad=True), torch.rand(10, requires_grad=True), c)),
         ("zone_scale_bwd", lambda c: (torch.randn(10, 8), torch.randn(10, 8), torch.rand(10), c)),
+        ("zone_add", lambda c: (torch.randn(10, 8), torch.randn(10, 8), c)),
     ],
 )
 def test_opcheck(op, args):

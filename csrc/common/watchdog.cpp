@@ -232,8 +232,72 @@ void ensure_checker(State& s) {
 }
 
 #if TE_EP_WITH_CUDA
-// The thread that asks the GPU: queries the oldest markers of each stream
-// without holding the lock, so a query the driver blocks blocks nobody else.
+// One round of queries: the markers of each stream in order, up to the first
+// that is pending, asked without holding the lock (a query the driver blocks
+// blocks nobody else); finished ones retire. `lock` holds s.mu on entry and
+// on return. The poller runs it every kPollPeriod; pending() runs it too, so
+// that it counts only markers whose work has not finished.
+void query_round(State& s, std::unique_lock<std::mutex>& lock) {
+  struct Query {
+    cudaStream_t stream;
+    uint64_t id;
+    cudaEvent_t event;
+    bool asked;  // false: skipped, an earlier marker of its stream is pending
+    cudaError_t status;
+  };
+  std::vector<Query> queries;
+  for (const auto& [stream, queue] : s.streams) {
+    for (const Marker& m : queue) {
+      if (s.broken_devices.count(m.device) != 0) break;
+      queries.push_back(Query{stream, m.id, m.event, false, cudaErrorNotReady});
+    }
+  }
+  if (queries.empty()) return;
+  const auto started = Clock::now();
+  s.querying = true;
+  s.query_started = started;
+  lock.unlock();
+  cudaStream_t skipping = nullptr;  // a stream whose earlier marker is pending
+  for (Query& q : queries) {
+    if (q.stream == skipping) continue;
+    q.asked = true;
+    q.status = cudaEventQuery(q.event);
+    if (q.status != cudaSuccess) {
+      (void)cudaGetLastError();
+      skipping = q.stream;
+    }
+  }
+  lock.lock();
+  s.querying = false;
+  bool overdue = false;  // a marker past its deadline was found pending: the checker decides now
+  for (const Query& q : queries) {
+    auto it = s.streams.find(q.stream);
+    if (!q.asked || it == s.streams.end() || it->second.empty() || it->second.front().id != q.id) continue;
+    Marker& m = it->second.front();
+    if (q.status == cudaErrorNotReady) {
+      m.seen_pending = started;
+      overdue = overdue || started >= deadline(m.entered, m.timeout_ms);
+      continue;
+    }
+    if (q.status == cudaSuccess) {
+      s.spare_events[m.device].push_back(m.event);
+    } else {
+      // A CUDA error (the context is broken, or the runtime is unloading):
+      // it surfaces in the process's own next CUDA call; stop watching
+      // this device and leave its events alone.
+      s.broken_devices.insert(m.device);
+    }
+    it->second.pop_front();
+  }
+  // Nothing on a broken device will be answered: its markers go.
+  for (auto& [stream, queue] : s.streams) {
+    (void)stream;
+    while (!queue.empty() && s.broken_devices.count(queue.front().device) != 0) queue.pop_front();
+  }
+  if (overdue) s.wake_checker.notify_all();
+}
+
+// The thread that asks the GPU.
 void poll(int device) {
   // Relaxed: this thread's event queries must never count as unsafe calls
   // against a CUDA graph that another thread captures in global mode (torch's
@@ -244,71 +308,12 @@ void poll(int device) {
   // another GPU for this thread.
   if (cudaSetDevice(device) != cudaSuccess) (void)cudaGetLastError();
   pthread_setname_np(pthread_self(), "te_ep_wd_poll");
-  struct Query {
-    cudaStream_t stream;
-    uint64_t id;
-    cudaEvent_t event;
-    int device;
-    bool asked;  // false: skipped, an earlier marker of its stream is pending
-    cudaError_t status;
-  };
-  constexpr size_t kPerStream = 64;
   State& s = state();
   std::unique_lock<std::mutex> lock(s.mu);
   while (!s.stopping) {
     s.wake_poller.wait_for(lock, kPollPeriod, [&] { return s.stopping; });
     if (s.stopping) break;
-    std::vector<Query> queries;
-    for (const auto& [stream, queue] : s.streams) {
-      for (size_t i = 0; i < queue.size() && i < kPerStream; ++i) {
-        const Marker& m = queue[i];
-        if (s.broken_devices.count(m.device) != 0) break;
-        queries.push_back(Query{stream, m.id, m.event, m.device, false, cudaErrorNotReady});
-      }
-    }
-    if (queries.empty()) continue;
-    const auto started = Clock::now();
-    s.querying = true;
-    s.query_started = started;
-    lock.unlock();
-    cudaStream_t skipping = nullptr;  // a stream whose earlier marker is pending
-    for (Query& q : queries) {
-      if (q.stream == skipping) continue;
-      q.asked = true;
-      q.status = cudaEventQuery(q.event);
-      if (q.status != cudaSuccess) {
-        (void)cudaGetLastError();
-        skipping = q.stream;
-      }
-    }
-    lock.lock();
-    s.querying = false;
-    bool overdue = false;  // a marker past its deadline was found pending: the checker decides now
-    for (const Query& q : queries) {
-      auto it = s.streams.find(q.stream);
-      if (!q.asked || it == s.streams.end() || it->second.empty() || it->second.front().id != q.id) continue;
-      Marker& m = it->second.front();
-      if (q.status == cudaErrorNotReady) {
-        m.seen_pending = started;
-        overdue = overdue || started >= deadline(m.entered, m.timeout_ms);
-        continue;
-      }
-      if (q.status == cudaSuccess) {
-        s.spare_events[m.device].push_back(m.event);
-      } else {
-        // A CUDA error (the context is broken, or the runtime is unloading):
-        // it surfaces in the process's own next CUDA call; stop watching
-        // this device and leave its events alone.
-        s.broken_devices.insert(m.device);
-      }
-      it->second.pop_front();
-    }
-    // Nothing on a broken device will be answered: its markers go.
-    for (auto& [stream, queue] : s.streams) {
-      (void)stream;
-      while (!queue.empty() && s.broken_devices.count(queue.front().device) != 0) queue.pop_front();
-    }
-    if (overdue) s.wake_checker.notify_all();
+    query_round(s, lock);
   }
 }
 #endif
@@ -414,7 +419,15 @@ void stop() {
 
 int64_t pending() {
   State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
+  std::unique_lock<std::mutex> lock(s.mu);
+#if TE_EP_WITH_CUDA
+  // Retire what has finished now, not at the poller's next round; relaxed, as the
+  // poller, so that a CUDA graph this thread captures is not invalidated.
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  (void)cudaThreadExchangeStreamCaptureMode(&mode);
+  query_round(s, lock);
+  (void)cudaThreadExchangeStreamCaptureMode(&mode);
+#endif
   int64_t total = static_cast<int64_t>(s.ops.size());
 #if TE_EP_WITH_CUDA
   for (const auto& entry : s.streams) total += static_cast<int64_t>(entry.second.size());

@@ -175,6 +175,17 @@ __global__ void bias_bwd_kernel(const T* grad, int64_t rows, int64_t n, const in
 }
 
 template <typename T>
+__global__ void add_kernel(const T* a, const T* b, int64_t rows, int64_t n, const int32_t* counts, int64_t zones,
+                           T* out) {
+  const int64_t total = rows_in_use(counts, zones, rows);
+  for (int64_t row = blockIdx.x; row < total; row += gridDim.x) {
+    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
+      out[row * n + c] = from_float<T>(as_float(a[row * n + c]) + as_float(b[row * n + c]));
+    }
+  }
+}
+
+template <typename T>
 __global__ void scale_kernel(const T* y, const float* w, int64_t rows, int64_t hidden, const int32_t* counts, int64_t zones, T* out) {
   const int64_t total = rows_in_use(counts, zones, rows);
   for (int64_t row = blockIdx.x; row < total; row += gridDim.x) {
@@ -283,6 +294,16 @@ cudaError_t bias_bwd_cuda(const void* grad, DType dtype, int64_t rows, int64_t n
     using T = std::remove_pointer_t<decltype(tag)>;
     bias_bwd_kernel<T><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(grad), rows, n, counts, zones,
                                                       static_cast<T*>(grad_bias));
+  });
+}
+
+cudaError_t add_cuda(const void* a, const void* b, DType dtype, int64_t rows, int64_t n, const int32_t* counts,
+                     int64_t zones, void* out, cudaStream_t stream) {
+  if (rows == 0 || n == 0) return cudaSuccess;
+  return with_type(dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    add_kernel<T><<<blocks_for(rows), kThreads, 0, stream>>>(static_cast<const T*>(a), static_cast<const T*>(b), rows,
+                                                             n, counts, zones, static_cast<T*>(out));
   });
 }
 

@@ -63,6 +63,10 @@ cudaError_t bias_cuda(const void* y, const void* bias, DType dtype, int64_t rows
 // accumulation in row order: bitwise repeatable), in the grad's dtype.
 cudaError_t bias_bwd_cuda(const void* grad, DType dtype, int64_t rows, int64_t n, const int32_t* counts,
                           int64_t zones, void* grad_bias, cudaStream_t stream);
+// out [rows, N] = a + b in float32, rounded to their dtype (the sum autograd makes of
+// two gradients of one tensor, bounded by the rows in use).
+cudaError_t add_cuda(const void* a, const void* b, DType dtype, int64_t rows, int64_t n, const int32_t* counts,
+                     int64_t zones, void* out, cudaStream_t stream);
 // out [rows, H] = y * w[row] in float32, rounded to y's dtype.
 cudaError_t scale_cuda(const void* y, const float* w, DType dtype, int64_t rows, int64_t hidden, const int32_t* counts,
                        int64_t zones, void* out, cudaStream_t stream);

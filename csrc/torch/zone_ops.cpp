@@ -265,6 +265,31 @@ Tensor zone_bias_bwd(const Tensor& grad, const Tensor& counts) {
   return out;
 }
 
+Tensor zone_add(const Tensor& a, const Tensor& b, const Tensor& counts) {
+  const char* op = "zone_add";
+  const DType dtype = row_dtype(op, "a", a);
+  check_rows(op, "a", a);
+  check_rows(op, "b", b, a.size(0), a.size(1));
+  check_same(op, "b", b, a, "a");
+  check_counts(op, counts, a);
+  const c10::DeviceGuard guard(a.device());
+  const int64_t rows = a.size(0);
+  Tensor out = at::empty(a.sizes(), a.options());
+  if (a.is_cuda()) {
+#if TE_EP_WITH_CUDA
+    const Tensor x = a.contiguous();
+    const Tensor y = b.contiguous();
+    C10_CUDA_CHECK(zones::add_cuda(x.data_ptr(), y.data_ptr(), dtype, rows, a.size(1), counts.data_ptr<int32_t>(),
+                                   counts.size(0), out.data_ptr(), stream_of(x)));
+#endif
+    return out;
+  }
+  (void)dtype;
+  const int64_t total = cpu_rows_in_use(counts, rows);
+  out.narrow(0, 0, total).copy_(a.narrow(0, 0, total) + b.narrow(0, 0, total));
+  return out;
+}
+
 void scale_into(const char* op, const Tensor& y, const Tensor& weights, const Tensor& counts, const Tensor& out) {
   const DType dtype = row_dtype(op, "y", y);
   check_rows(op, "y", y);
@@ -341,6 +366,7 @@ static void register_zone_ops(torch::Library& m) {
   m.impl("zone_glu_bwd", &zone_glu_bwd);
   m.impl("zone_bias", &zone_bias);
   m.impl("zone_bias_bwd", &zone_bias_bwd);
+  m.impl("zone_add", &zone_add);
   m.impl("zone_scale", &zone_scale);
   m.impl("zone_scale_into", &zone_scale_into);
   m.impl("zone_scale_bwd", &zone_scale_bwd);
