@@ -257,13 +257,18 @@ void query_round(State& s, std::unique_lock<std::mutex>& lock) {
   s.querying = true;
   s.query_started = started;
   lock.unlock();
-  cudaStream_t skipping = nullptr;  // a stream whose earlier marker is pending
+  // A stream whose earlier marker is pending: its later ones are not asked. (A
+  // flag of its own: the legacy default stream is the null handle, which must
+  // not read as "no stream skipped".)
+  bool skip = false;
+  cudaStream_t skipping = nullptr;
   for (Query& q : queries) {
-    if (q.stream == skipping) continue;
+    if (skip && q.stream == skipping) continue;
     q.asked = true;
     q.status = cudaEventQuery(q.event);
     if (q.status != cudaSuccess) {
       (void)cudaGetLastError();
+      skip = true;
       skipping = q.stream;
     }
   }
