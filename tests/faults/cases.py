@@ -707,7 +707,9 @@ CASES = [
         behaviour={
             "reference": _EXIT_CONTRACT.but(others_say=("te_ep.dispatch", "collective with the other ranks failed",
                                                         GLOO_LOST_PEER), shortfall=GLOO_SHORTFALL),
-            # no torch collective in the step: the survivors' dispatch kernels wait for the
+            # Measured on GPUs (W=2, 2026-11-26, docs/results.md): the survivor ends by te_ep's
+            # watchdog (host) 20.2 s after the fault at a 20 s PG timeout, in every check mode and
+            # both nccl_ep modes. No torch collective in the step: the survivors' dispatch waits for the
             # lost rank without a limit until te_ep's watchdog ends them one process-group
             # timeout after they entered dispatch (the device mode's agreement runs inside
             # prepare, which every rank completed on the host before the exit). The faulty rank
@@ -733,7 +735,9 @@ CASES = [
             # late rank fails at once when it arrives
             # (the message does not name the late rank; the contract does not ask it to)
             "reference": _SLEEP_CONTRACT,
-            # No torch collective in a default-mode step: the waiting ranks' dispatch kernels spin
+            # Measured on GPUs (W=2, 2026-11-26, docs/results.md): the waiting rank ends by te_ep's
+            # watchdog (host) at 20.1 s, the late rank at 41.7 s, in every check mode and both
+            # nccl_ep modes. No torch collective in a default-mode step: the waiting ranks' dispatch kernels spin
             # until te_ep's watchdog ends them one PG timeout after they entered dispatch; the late
             # rank then finds no peers, and its own watchdog ends it one timeout after it arrives
             # (in the synchronous mode both wait on the host, in dispatch's agreement).
