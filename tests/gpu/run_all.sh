@@ -15,12 +15,14 @@
 # selects parts, e.g. to split the run across shorter commands.
 #   bash tests/gpu/run_all.sh --quick    # every path once: each nccl_ep mode x check mode on a few
 #                                        # cases (bf16 and FP8, eager, compiled and CUDA graph, their
-#                                        # errors), the smoke test, a few fault cases; no soak
+#                                        # errors), the smoke test, a few fault cases (a rank that exits
+#                                        # mid-step: the watchdog's host side, measured at W=2), the
+#                                        # watchdog's GPU side (tests/gpu/test_watchdog.py); no soak
 if [ "${1:-}" = "--quick" ]; then
   export TE_EP_SUITE_CASES=${TE_EP_SUITE_CASES:-"routing_exact fp8_dispatch_exact cuda_graph check_modes device_checks_op_arguments bad_input_tokens_dtype capacity_overflow"}
-  export TE_EP_FAULT_CASES=${TE_EP_FAULT_CASES:-"expert_id_out_of_range tokens_dtype_one_rank"}
+  export TE_EP_FAULT_CASES=${TE_EP_FAULT_CASES:-"expert_id_out_of_range tokens_dtype_one_rank rank_exits_mid_step"}
   export TE_EP_WORLD_SIZES=${TE_EP_WORLD_SIZES:-2}
-  export TE_EP_PARTS=${TE_EP_PARTS:-nccl_suite smoke faults fp8 overlap}
+  export TE_EP_PARTS=${TE_EP_PARTS:-nccl_suite smoke faults fp8 overlap watchdog}
 fi
 set -uo pipefail
 cd "$(dirname "$0")/../.."
