@@ -18,12 +18,15 @@ from torch import Tensor
 
 from . import _agreement, _nccl_ep, ops
 
-__all__ = ["EpGroup", "EpHandle", "HandleConfig", "BACKENDS", "NCCL_EP_MODES", "CHECKS"]
+__all__ = ["EpGroup", "EpHandle", "HandleConfig", "BACKENDS", "NCCL_EP_MODES", "CHECKS", "OVERFLOWS"]
 
 BACKENDS = ("auto", "reference", "nccl_ep")
 NCCL_EP_MODES = ("auto", "zero_copy", "staged")
 # How a handle catches bad input (docs/ops.md, "Check modes"); the first is the default.
 CHECKS = ("local", "device", "synchronous")
+# What a step whose routing needs more receive rows than the capacity does (docs/ops.md,
+# "Capacity"): raise on every rank, or drop the choices past each expert's share.
+OVERFLOWS = ("raise", "drop")
 
 _log = logging.getLogger("te_ep_torch")
 _modes_logged: set = set()
@@ -197,6 +200,8 @@ class HandleConfig:
     dispatch_dtype: Optional[torch.dtype] = None
     # How the handle catches bad input: one of CHECKS (docs/ops.md, "Check modes").
     checks: str = "local"
+    # What a step that overflows the capacity does: one of OVERFLOWS.
+    overflow: str = "raise"
 
 
 class EpGroup:
@@ -438,6 +443,7 @@ class EpGroup:
         capacity_factor: Optional[float] = None,
         dispatch_dtype: Optional[torch.dtype] = None,
         checks: Optional[str] = None,
+        overflow: str = "raise",
     ) -> "EpHandle":
         """Creates the handle of one MoE layer.
 
@@ -466,6 +472,15 @@ class EpGroup:
                 ``None``: ``dtype`` dispatch only.
             checks: the handle's check mode (one of :data:`CHECKS`; see :class:`EpGroup`);
                 ``None``: the group's.
+            overflow: what a step whose routing needs more rows than the capacity does:
+                ``"raise"`` (on every rank, nothing is dropped) or ``"drop"``: each local
+                expert gets an equal share of the receive rows (``capacity // E_local``,
+                rounded down to ``alignment``: GShard's expert capacity), and the choices
+                past an expert's share, in the order (source rank, token, choice), are
+                dropped before the exchange: they contribute nothing to the output, get a
+                zero weight gradient, and are counted in :attr:`EpHandle.dropped`. The same
+                choices on every backend. With the worst-case capacity nothing overflows,
+                so nothing is dropped.
         """
         self.check_open()
         checks = self.checks if checks is None else checks
@@ -482,6 +497,8 @@ class EpGroup:
                                  f"{dispatch_dtype!r}")
             if not isinstance(checks, str):
                 raise ValueError(f"create_handle: checks must be one of {CHECKS}, got {checks!r}")
+            if overflow not in OVERFLOWS:
+                raise ValueError(f"create_handle: overflow must be one of {OVERFLOWS}, got {overflow!r}")
             if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool)):
                 raise ValueError(f"create_handle: capacity must be an int, got {capacity!r}")
             if capacity is not None and capacity_factor is not None:
@@ -518,11 +535,11 @@ class EpGroup:
         _agreement.agree(self.process_group, "create_handle", {
             "top_k": top_k, "hidden": hidden, "dtype": dtype, "alignment": alignment,
             "capacity": fitted if fitted is not None else capacity, "dispatch_dtype": dispatch_dtype,
-            "backend": self.backend, "nccl_ep_mode": self.nccl_ep_mode, "checks": checks,
+            "backend": self.backend, "nccl_ep_mode": self.nccl_ep_mode, "checks": checks, "overflow": overflow,
         }, error)
         capacity = fitted
         cfg = HandleConfig(top_k=top_k, hidden=hidden, dtype=dtype, alignment=alignment, capacity=capacity,
-                           dispatch_dtype=dispatch_dtype, checks=checks)
+                           dispatch_dtype=dispatch_dtype, checks=checks, overflow=overflow)
         handle = EpHandle(self, cfg)
         self._handles[handle.id] = handle
         return handle
@@ -589,6 +606,15 @@ class EpHandle:
         )
         # The id as a CPU tensor, which the ops take under torch.compile (see op_ids).
         self.key = torch.tensor([self.id], dtype=torch.int64)
+        # overflow="drop": each local expert's share of the receive rows, None where nothing
+        # can overflow (the worst-case capacity) or overflow raises.
+        worst = group.worst_case_capacity(config.top_k, config.alignment)
+        self.expert_share: Optional[int] = None
+        if config.overflow == "drop" and config.capacity < worst:
+            self.expert_share = config.capacity // group.num_local_experts // config.alignment * config.alignment
+        # Choices this rank dropped per global expert since the handle was made (int64 [E],
+        # on the device, never read back by te_ep: no host sync).
+        self.dropped = torch.zeros(group.num_experts, dtype=torch.int64, device=group.device)
         self._generation = 0
         self._alive = True
         self.mode, self.mode_reason, self._window_bytes, self._handle_mem_bytes = ops.handle_info(self.id)
@@ -669,9 +695,39 @@ class EpHandle:
         # backward nodes (made at the older generation) may use.
         if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() == -1:
             self._generation += 1
+        if self.expert_share is not None:
+            topk_idx = self._drop_past_share(topk_idx)
         handle_id, key = self.op_ids()
         return ops.prepare(topk_idx, self.handle_mem, self.group.group_name, handle_id, self.group.num_local_experts,
                            key)
+
+    def _drop_past_share(self, topk_idx: Tensor) -> Tensor:
+        """``topk_idx`` with the choices past their expert's share set to -1 (overflow="drop").
+
+        The order is global: source rank, then token, then choice. A choice's place in its
+        expert's queue is its place among this rank's choices of that expert plus the choices
+        of that expert on the ranks before it (one all-gather of ``[E]`` counts, on the
+        device). Ids outside ``[0, E)`` are left as they are, for the ops' checks."""
+        group = self.group
+        num_experts = group.num_experts
+        flat = topk_idx.reshape(-1).to(torch.int64)
+        valid = (flat >= 0) & (flat < num_experts)
+        key = torch.where(valid, flat, num_experts)  # invalid ids form a last group of their own
+        counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device).index_add_(
+            0, key, torch.ones_like(key))
+        order = torch.sort(key, stable=True).indices
+        starts = counts.cumsum(0) - counts
+        place = torch.empty_like(key)
+        place[order] = torch.arange(key.numel(), device=key.device) - starts[key[order]]
+        if group.ep_size > 1:
+            from torch.distributed import _functional_collectives as funcol
+
+            every = funcol.all_gather_tensor(counts[:num_experts].contiguous(), 0, group.group_name)
+            before = every.view(group.ep_size, num_experts)[: group.rank].sum(0)
+            place = place + before[torch.where(valid, flat, 0)]
+        drop = valid & (place >= self.expert_share)
+        self.dropped.index_add_(0, torch.where(drop, flat, 0), drop.to(torch.int64))
+        return torch.where(drop.view(topk_idx.shape), torch.full_like(topk_idx, -1), topk_idx)
 
     def destroy(self) -> None:
         """Releases the handle (idempotent)."""

@@ -528,6 +528,7 @@ class MoE(nn.Module):
         capacity: Optional[int] = None,
         capacity_factor: Optional[float] = None,
         checks: Optional[str] = None,
+        overflow: str = "raise",
     ) -> None:
         """Dispatches tokens over ``ep_group`` from now on (collective: creates a handle).
 
@@ -545,10 +546,13 @@ class MoE(nn.Module):
                 worst case (``EpGroup.worst_case_capacity``), which no routing can overflow.
             capacity_factor: the receive rows as a multiplier (>= 1.0, typically 1.0 to
                 2.0) of a rank's mean load, ``top_k * max_tokens_per_rank``, plus zone
-                padding (``EpGroup.capacity_for_factor``); not with ``capacity``. A step
-                that needs more rows raises ``capacity overflow`` on every rank.
+                padding (``EpGroup.capacity_for_factor``); not with ``capacity``.
             checks: the handle's check mode (``EpGroup``'s ``checks``); ``None``: the
                 group's. The group carries ``nccl_ep_mode`` and ``timeout``.
+            overflow: what a step that needs more rows than the capacity does:
+                ``"raise"`` (``capacity overflow`` on every rank) or ``"drop"`` (the choices
+                past each expert's share are dropped and counted;
+                ``EpGroup.create_handle``).
         """
         if ep_group.num_experts != self.num_experts:
             raise ValueError(
@@ -577,6 +581,7 @@ class MoE(nn.Module):
             capacity_factor=capacity_factor,
             dispatch_dtype=self.dispatch_dtype,
             checks=checks,
+            overflow=overflow,
         )
 
     def forward(self, x: Tensor, return_aux_loss: bool = False):
@@ -707,6 +712,10 @@ def expert_load_stats(model: nn.Module, global_sum: bool = False, reset: bool = 
     since the last reset (:meth:`TopKRouter.read_expert_load`), what load balancing and
     expert placement (EPLB) read. No host sync; ``global_sum`` sums over each router's
     ``process_group`` (collective), ``reset`` zeroes the counters after reading.
+
+    A layer whose handles drop overflowing choices (``overflow="drop"``) also has
+    ``{name}.dropped``: the choices of this rank its handles dropped per expert since they
+    were made (``EpHandle.dropped``; this rank's, whatever ``global_sum``; not reset).
     """
     stats: Dict[str, Tensor] = {}
     for name, module in model.named_modules():
@@ -714,5 +723,8 @@ def expert_load_stats(model: nn.Module, global_sum: bool = False, reset: bool = 
             stats[name] = module.read_expert_load(global_sum)
             if reset:
                 module.reset_expert_load()
+            dropping = [h for h in module._handles.values() if h.config.overflow == "drop"]
+            if dropping:
+                stats[f"{name}.dropped"] = sum(h.dropped for h in dropping)
     return stats
 

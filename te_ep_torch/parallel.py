@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from .group import EpGroup, check_capacity_factor
+from .group import OVERFLOWS, EpGroup, check_capacity_factor
 from .moe import MoE
 
 __all__ = [
@@ -132,6 +132,8 @@ class ExpertParallel(ParallelStyle):
         capacity_factor: the receive rows as a multiplier (>= 1.0) of a rank's mean load,
             ``top_k * max_tokens_per_rank``, plus zone padding
             (:meth:`~te_ep_torch.EpGroup.capacity_for_factor`); not with ``capacity``.
+        overflow: what a step that overflows the capacity does (``"raise"`` or ``"drop"``;
+            :meth:`~te_ep_torch.EpGroup.create_handle`).
         src_data_rank: rank whose weights are scattered; ``None`` keeps each rank's own
             slice of its local (full) weights without communication.
         nccl_ep_mode, timeout, checks: the :class:`EpGroup` options of the layers' group.
@@ -145,6 +147,7 @@ class ExpertParallel(ParallelStyle):
         dtype: Optional[torch.dtype] = None,
         capacity: Optional[int] = None,
         capacity_factor: Optional[float] = None,
+        overflow: str = "raise",
         src_data_rank: Optional[int] = 0,
         nccl_ep_mode: str = "staged",
         timeout=None,
@@ -162,8 +165,11 @@ class ExpertParallel(ParallelStyle):
             raise ValueError(f"ExpertParallel: pass capacity (rows) or capacity_factor (a multiplier of the mean "
                              f"load), not both; got capacity={capacity!r}, capacity_factor={capacity_factor!r}")
         check_capacity_factor(capacity_factor, "ExpertParallel")
+        if overflow not in OVERFLOWS:
+            raise ValueError(f"ExpertParallel: overflow must be one of {OVERFLOWS}, got {overflow!r}")
         self.capacity = capacity
         self.capacity_factor = capacity_factor
+        self.overflow = overflow
         self.src_data_rank = src_data_rank
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -192,7 +198,7 @@ class ExpertParallel(ParallelStyle):
             checks=self.checks,
         )
         module.enable_expert_parallel(group, dtype=self.dtype, capacity=self.capacity,
-                                      capacity_factor=self.capacity_factor)
+                                      capacity_factor=self.capacity_factor, overflow=self.overflow)
         return module
 
 
@@ -301,6 +307,7 @@ def parallelize_moe_model(
     dtype: Optional[torch.dtype] = None,
     capacity: Optional[int] = None,
     capacity_factor: Optional[float] = None,
+    overflow: str = "raise",
     dp_dim: str = "dp",
     ep_dim: str = "ep",
     blocks: Optional[Iterable[nn.Module]] = None,
@@ -313,14 +320,15 @@ def parallelize_moe_model(
     """:class:`ExpertParallel` on ``mesh[ep_dim]`` for every MoE layer, then :func:`apply_fsdp`.
 
     ``dtype`` defaults to ``mp_policy.param_dtype`` (the dtype the experts compute in)
-    and else to the expert weights' dtype. ``capacity`` and ``capacity_factor`` are
-    :class:`ExpertParallel`'s; ``nccl_ep_mode``, ``timeout`` and ``checks`` are
+    and else to the expert weights' dtype. ``capacity``, ``capacity_factor`` and ``overflow``
+    are :class:`ExpertParallel`'s; ``nccl_ep_mode``, ``timeout`` and ``checks`` are
     :class:`~te_ep_torch.EpGroup`'s.
     """
     if dtype is None and mp_policy is not None:
         dtype = mp_policy.param_dtype
     style = ExpertParallel(max_tokens_per_rank=max_tokens_per_rank, backend=backend, dtype=dtype, capacity=capacity,
-                           capacity_factor=capacity_factor, nccl_ep_mode=nccl_ep_mode, timeout=timeout, checks=checks)
+                           capacity_factor=capacity_factor, overflow=overflow, nccl_ep_mode=nccl_ep_mode,
+                           timeout=timeout, checks=checks)
     layers = moe_layers(model)
     if not layers:
         raise ValueError("parallelize_moe_model: the model has no te_ep_torch.moe.MoE layer")

@@ -407,6 +407,7 @@ def case_refusals(ctx):
         "backend": dict(opts, backend="mpi"),
         "alignment": dict(opts, alignment=3),
         "capacity_factor": dict(opts, capacity_factor=0.5),
+        "overflow": dict(opts, overflow="skip"),
         "expert_impl": dict(opts, expert_impl="fast"),
         "nccl_ep_mode": dict(opts, nccl_ep_mode="fast"),
         "checks": dict(opts, checks="strict"),

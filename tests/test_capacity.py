@@ -109,6 +109,9 @@ def test_expert_parallel_refuses_before_sharding():
     with pytest.raises(ValueError, match="ExpertParallel: capacity_factor is now a multiplier"):
         parallelize_moe_model(torch.nn.Linear(2, 2), None, max_tokens_per_rank=8, capacity_factor=0.5)
     assert ExpertParallel(max_tokens_per_rank=8, capacity_factor=1.25).capacity_factor == 1.25
+    with pytest.raises(ValueError, match=r"ExpertParallel: overflow must be one of \('raise', 'drop'\), got 'skip'"):
+        parallelize_moe_model(torch.nn.Linear(2, 2), None, max_tokens_per_rank=8, overflow="skip")
+    assert ExpertParallel(max_tokens_per_rank=8, capacity_factor=1.25, overflow="drop").overflow == "drop"
 
 
 def test_memory_table_in_docs_is_the_scripts():

@@ -340,6 +340,7 @@ def test_override_keeps_deepep_sizes_and_refuses_fp8():
         (dict(capacity_factor="1.25"), r"capacity_factor must be None \(the worst case\) or a finite number "
                                        r".*got '1.25'"),
         (dict(backend="mpi"), "backend must be one of .*got 'mpi'"),
+        (dict(overflow="ignore"), r"overflow must be one of \('raise', 'drop'\), got 'ignore'"),
         (dict(dtype="int8"), "dtype must be one of .*got 'int8'"),
         (dict(num_max_tokens_per_rank=0), "num_max_tokens_per_rank must be a positive int or None, got 0"),
     ],

@@ -158,6 +158,7 @@ def test_refusals_name_what_is_wrong(pools):
         "alignment": r"ValueError: .*alignment must be None or a power of two, got 3",
         "capacity_factor": r"ValueError: parallelize_hf_moe: capacity_factor is now a multiplier of the mean receive "
                            r"load.*got 0.5.*removed in te_ep_torch 0.3.0",
+        "overflow": r"ValueError: parallelize_hf_moe: overflow must be one of \('raise', 'drop'\), got 'skip'",
         "expert_impl": r"ValueError: .*expert_impl must be one of .*got 'fast'",
         "nccl_ep_mode": r"ValueError: .*nccl_ep_mode must be one of .*got 'fast'",
         "checks": r"ValueError: .*checks must be one of .*got 'strict'",

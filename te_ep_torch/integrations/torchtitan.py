@@ -55,7 +55,7 @@ from torchtitan.models.common.moe import GroupedExperts
 
 from .. import group as _group
 from ..autograd import ep_combine, ep_dispatch, ep_dispatch_fp8
-from ..group import BACKENDS, CHECKS, NCCL_EP_MODES, EpHandle
+from ..group import BACKENDS, CHECKS, NCCL_EP_MODES, OVERFLOWS, EpHandle
 from ..moe import GROUPED_MM_ALIGNMENT
 from ..ops import FP8_BLOCK
 from ..parallel import ep_group_for
@@ -158,8 +158,12 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
                 ``capacity_factor * top_k * num_max_tokens_per_rank`` rows plus zone
                 padding (:meth:`te_ep_torch.EpGroup.capacity_for_factor`). A step that
                 needs more raises ``capacity overflow`` (docs/ops.md, "Capacity"; nothing
-                is dropped silently). Values below 1.0 (the old fraction-of-the-worst-case
-                meaning, removed in 0.3.0) are refused.
+                is dropped silently) unless ``overflow="drop"``. Values below 1.0 (the old
+                fraction-of-the-worst-case meaning, removed in 0.3.0) are refused.
+            overflow: ``"raise"`` or ``"drop"``: a step that needs more rows than the
+                capacity raises on every rank, or drops the choices past each expert's
+                share (counted in the handle's ``dropped``;
+                :meth:`te_ep_torch.EpGroup.create_handle`).
             backend: te_ep backend (``"auto"``: NCCL EP on Hopper+ GPUs where it loads,
                 else the torch.distributed ``"reference"`` backend).
             nccl_ep_mode, timeout, checks: :class:`te_ep_torch.EpGroup`'s options
@@ -175,6 +179,7 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
         dtype: str | torch.dtype | None = None
         alignment: int = GROUPED_MM_ALIGNMENT
         capacity_factor: float | None = None
+        overflow: str = "raise"
         backend: str = "auto"
         fp8_dispatch: bool = False
         nccl_ep_mode: str = "staged"
@@ -189,6 +194,7 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
         self.dtype = _DTYPES[_dtype_name(config.dtype, "TeEpTokenDispatcher") or "bfloat16"]
         self.alignment = config.alignment
         self.capacity_factor = config.capacity_factor
+        self.overflow = config.overflow
         self.backend = config.backend
         self.fp8_dispatch = config.fp8_dispatch
         self.group_options = {"nccl_ep_mode": config.nccl_ep_mode, "timeout": config.timeout, "checks": config.checks}
@@ -218,7 +224,7 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
         )
         handle = group.create_handle(
             top_k=self.top_k, hidden=hidden, dtype=dtype, alignment=self.alignment,
-            capacity_factor=self.capacity_factor,
+            capacity_factor=self.capacity_factor, overflow=self.overflow,
             dispatch_dtype=torch.float8_e4m3fn if self.fp8_dispatch else None,
         )
         self.hidden_dim, self.num_max_tokens_per_rank = hidden, max_tokens
@@ -368,6 +374,8 @@ def _check_config(cfg: Any, what: str) -> None:
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"{what}: alignment must be a power of two, got {alignment!r}")
     _group.check_capacity_factor(cfg.capacity_factor, what)
+    if cfg.overflow not in OVERFLOWS:
+        raise ValueError(f"{what}: overflow must be one of {OVERFLOWS}, got {cfg.overflow!r}")
     if cfg.backend not in BACKENDS:
         raise ValueError(f"{what}: backend must be one of {BACKENDS}, got {cfg.backend!r}")
     if cfg.nccl_ep_mode not in NCCL_EP_MODES:
@@ -395,6 +403,7 @@ def te_ep_dispatcher(
     dtype: Optional[str] = None,
     alignment: Optional[int] = None,
     capacity_factor: Optional[float] = None,
+    overflow: Optional[str] = None,
     backend: Optional[str] = None,
     fp8_dispatch: Optional[bool] = None,
     nccl_ep_mode: Optional[str] = None,
@@ -428,6 +437,7 @@ def te_ep_dispatcher(
             ("dtype", dtype),
             ("alignment", alignment),
             ("capacity_factor", capacity_factor),
+            ("overflow", overflow),
             ("backend", backend),
             ("fp8_dispatch", fp8_dispatch),
             ("nccl_ep_mode", nccl_ep_mode),

@@ -110,7 +110,7 @@ class TeEpExpertsState:
         handles: one handle per token dtype (the first made by :func:`parallelize_hf_moe`;
             tokens of another dtype get their own on first eager use).
         impls: the grouped-GEMM implementation per token dtype (``"grouped_mm"`` or ``"loop"``).
-        expert_impl, alignment, capacity_factor: the options they were made with.
+        expert_impl, alignment, capacity_factor, overflow: the options they were made with.
         dims: the feature dims of the experts' GEMMs (what ``torch._grouped_mm`` needs aligned).
     """
 
@@ -122,6 +122,7 @@ class TeEpExpertsState:
     alignment: Optional[int]
     capacity_factor: Optional[float]
     dims: Tuple[int, ...]
+    overflow: str = "raise"
     handles: Dict[torch.dtype, EpHandle] = dataclasses.field(default_factory=dict)
     impls: Dict[torch.dtype, str] = dataclasses.field(default_factory=dict)
 
@@ -134,7 +135,7 @@ class TeEpExpertsState:
         if alignment is None:
             alignment = GROUPED_MM_ALIGNMENT if impl == "grouped_mm" else 1
         handle = self.group.create_handle(top_k=self.top_k, hidden=self.hidden, dtype=dtype, alignment=alignment,
-                                          capacity_factor=self.capacity_factor)
+                                          capacity_factor=self.capacity_factor, overflow=self.overflow)
         self.handles[dtype] = handle
         self.impls[dtype] = impl
         return handle
@@ -350,6 +351,8 @@ def _check_options(**options) -> None:
     if alignment is not None and (not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1)):
         raise ValueError(f"{what}: alignment must be None or a power of two, got {alignment!r}")
     _group.check_capacity_factor(options["capacity_factor"], what)
+    if options["overflow"] not in _group.OVERFLOWS:
+        raise ValueError(f"{what}: overflow must be one of {_group.OVERFLOWS}, got {options['overflow']!r}")
     if options["expert_impl"] not in EXPERT_IMPLS:
         raise ValueError(f"{what}: expert_impl must be one of {EXPERT_IMPLS}, got {options['expert_impl']!r}")
     if options["expert_impl"] == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
@@ -398,6 +401,7 @@ def parallelize_hf_moe(
     dtype: Optional[torch.dtype] = None,
     alignment: Optional[int] = None,
     capacity_factor: Optional[float] = None,
+    overflow: str = "raise",
     expert_impl: str = "auto",
     top_k: Optional[int] = None,
     src_data_rank: Optional[int] = 0,
@@ -452,6 +456,9 @@ def parallelize_hf_moe(
             (every token of every EP rank here), which no routing overflows. A step that
             needs more raises ``capacity overflow`` (docs/ops.md, "Capacity"). Values below
             1.0 (the old fraction-of-the-worst-case meaning, removed in 0.3.0) are refused.
+        overflow: ``"raise"`` or ``"drop"``: what a step that needs more rows than the
+            capacity does (:meth:`te_ep_torch.EpGroup.create_handle`; dropped choices are
+            counted in each handle's ``dropped``).
         expert_impl: how the local experts run on the received rows: ``"grouped_mm"``
             (``torch._grouped_mm``), ``"loop"`` (a dense GEMM per local expert over the
             buffer, any device and dtype) or ``"auto"`` (``grouped_mm`` on CUDA SM90+ in
@@ -470,7 +477,8 @@ def parallelize_hf_moe(
     """
     _check_options(max_tokens_per_rank=max_tokens_per_rank, backend=backend, nccl_ep_mode=nccl_ep_mode, checks=checks,
                    dtype=dtype,
-                   alignment=alignment, capacity_factor=capacity_factor, expert_impl=expert_impl, top_k=top_k)
+                   alignment=alignment, capacity_factor=capacity_factor, overflow=overflow, expert_impl=expert_impl,
+                   top_k=top_k)
     ep_mesh, mesh = _meshes(model, mesh_or_group, dp_dim, ep_dim)
     if mesh is None and (mp_policy is not None or blocks is not None):
         raise ValueError("parallelize_hf_moe: mp_policy and blocks are FSDP2 options; they need a 2-D (dp, ep) mesh "
@@ -506,7 +514,7 @@ def parallelize_hf_moe(
                              backend=backend, nccl_ep_mode=nccl_ep_mode, timeout=timeout, checks=checks)
         state = TeEpExpertsState(name=layout.name, group=group, top_k=layout.top_k, hidden=layout.hidden,
                                  expert_impl=expert_impl, alignment=alignment, capacity_factor=capacity_factor,
-                                 dims=layout.dims)
+                                 dims=layout.dims, overflow=overflow)
         state.create_handle(dtype if dtype is not None else getattr(m, layout.params[0]).dtype)
         m.te_ep = state
     # The experts forward is chosen by the config the module was built with (shared by the

@@ -79,7 +79,8 @@ from .fp8 import (
     case_fp8_errors,
     case_fp8_tokens_dtype_one_rank,
 )
-from .lifecycle import case_capacity_factor, case_capacity_for, case_group_api, case_shutdown_reinit, case_subgroups
+from .lifecycle import (case_capacity_factor, case_capacity_for, case_group_api, case_overflow_drop, case_shutdown_reinit,
+                        case_subgroups)
 from .lifetime import (
     case_handle_mode_and_memory,
     case_lifetime_checkpoint,
@@ -137,6 +138,7 @@ CASES = [
     Case("shutdown_reinit", case_shutdown_reinit),
     Case("capacity_for", case_capacity_for),
     Case("capacity_factor", case_capacity_factor, world_sizes=(2,)),
+    Case("overflow_drop", case_overflow_drop),
     Case("subgroups", case_subgroups),
     Case("opcheck", case_opcheck, (0,), timeout=120),
     Case("opcheck_empty_rank", case_opcheck, (1,), timeout=120),

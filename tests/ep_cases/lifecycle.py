@@ -266,3 +266,100 @@ def case_subgroups(ctx) -> None:
     sub_group.shutdown()
     world_group.shutdown()
 
+
+
+def _drop_by_hand(idx_all: list, share: int, num_experts: int) -> tuple:
+    """The routing with the choices past each expert's share set to -1, in the global order
+    (source rank, token, choice), and the choices each rank dropped per expert: written
+    out here, apart from the library's device code."""
+    seen = [0] * num_experts
+    kept, dropped = [], []
+    for idx in idx_all:
+        idx = idx.clone()
+        mine = torch.zeros(num_experts, dtype=torch.int64)
+        for t in range(idx.shape[0]):
+            for k in range(idx.shape[1]):
+                e = int(idx[t, k])
+                if e < 0:
+                    continue
+                if seen[e] >= share:
+                    idx[t, k] = -1
+                    mine[e] += 1
+                seen[e] += 1
+        kept.append(idx)
+        dropped.append(mine)
+    return kept, dropped
+
+
+def case_overflow_drop(ctx) -> None:
+    """overflow="drop" (docs/ops.md, "Capacity"): with a capacity below the worst case, the
+    choices past each expert's share (capacity // E_local, rounded down to the alignment) in
+    the order (source rank, token, choice) are dropped: the step equals a worst-case handle
+    fed the routing without them (zone rows, weights, combine output and both gradients: a
+    dropped choice contributes nothing and gets a zero weight gradient), and EpHandle.dropped
+    counts them. With the worst case nothing is dropped; a bad value raises on every rank."""
+    W, r = ctx.world_size, ctx.rank
+    st = Step(top_k=2, hidden=16, tokens=(24, 17), alignment=8, seed=91)  # max_tokens_per_rank 27
+    idx_all, w_all = all_inputs(st, W)
+    num_experts = st.experts_per_rank * W
+    for idx in idx_all:  # a hot expert: every token's first choice is expert 0
+        idx[:, 1] = torch.where(idx[:, 1] == 0, 1, idx[:, 1])
+        idx[:, 0] = 0
+    group = make_group(ctx, st)
+    kw = dict(top_k=st.top_k, hidden=st.hidden, dtype=st.torch_dtype(), alignment=st.alignment)
+    drop = group.create_handle(capacity_factor=1.0, overflow="drop", **kw)
+    full = group.create_handle(**kw)
+    # By hand: 1.0 x (2 x 27) + 4 zones x 7 padding = 82 rows; 82 // 4 = 20, down to 8: 16.
+    assert drop.config.capacity == 82 and drop.expert_share == 16, (drop.config, drop.expert_share)
+    kept, dropped = _drop_by_hand(idx_all, 16, num_experts)
+    assert sum(int(d.sum()) for d in dropped) > 0, "the hot expert must overflow its share"
+    got = _zone_step(ctx, drop, st, idx_all, w_all, r)
+    want = _zone_step(ctx, full, st, kept, w_all, r)
+    for what in want:
+        if ctx.backend == "reference" or what not in ("combine output", "tokens grad", "weights grad"):
+            check_equal(what, got[what], want[what], f"rank {r} overflow='drop'")
+        else:
+            torch.testing.assert_close(got[what], want[what], atol=3e-2, rtol=3e-2, msg=what)
+    check_equal("dropped", drop.dropped.cpu(), dropped[r], f"rank {r} overflow='drop'")
+    # Dropped choices get a zero weight gradient.
+    assert bool((got["weights grad"][kept[r] < 0] == 0).all())
+
+    # The worst case never overflows: overflow="drop" drops nothing there.
+    none = group.create_handle(overflow="drop", **kw)
+    assert none.expert_share is None
+    check_equal("worst case", _zone_step(ctx, none, st, idx_all, w_all, r)["combine output"],
+                _zone_step(ctx, full, st, idx_all, w_all, r)["combine output"], f"rank {r}")
+    assert int(none.dropped.sum()) == 0
+    bad = "sometimes" if r == 0 else "drop"
+    expect_raises(lambda: group.create_handle(capacity_factor=1.0, overflow=bad, **kw), "create_handle",
+                  "overflow must be one of ('raise', 'drop')" if r == 0 else "rank 0", exc=ValueError)
+    group.shutdown()
+
+    # te.MoE through ExpertParallel: the option reaches the layer's handle, and the drops are
+    # in the layer's expert-load statistics.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from te_ep_torch.parallel import ExpertParallel
+
+    dev = torch.device(ctx.device)
+    moe = te.MoE(st.hidden, 8, num_experts, st.top_k, alignment=st.alignment).to(dev)
+    mesh = init_device_mesh(dev.type, (W,), mesh_dim_names=("ep",))
+    parallelize_module(moe, mesh, ExpertParallel(max_tokens_per_rank=27, backend=ctx.backend, capacity_factor=1.0,
+                                                 overflow="drop", **ctx.group_options()))
+    (handle,) = moe._handles.values()
+    assert handle.config.overflow == "drop" and handle.expert_share == 16, handle
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[0, :] = 10.0  # expert 0 wins every token with positive inputs
+    moe(torch.rand(st.num_tokens(r), st.hidden, device=dev) + 0.1).sum().backward()
+    stats = te.moe.expert_load_stats(moe)
+    assert set(stats) == {"", ".dropped"}, stats
+    # Each expert keeps its first 16 choices in rank order: this rank's choices past that.
+    loads = [torch.zeros_like(stats[""]) for _ in range(W)]
+    dist.all_gather(loads, stats[""].contiguous())
+    before = sum(loads[:r], torch.zeros_like(stats[""]))
+    expected = (before + stats[""] - 16).clamp_min(0).minimum(stats[""])
+    assert int(stats[".dropped"][0]) > 0 or r > 0, stats
+    check_equal("MoE dropped", stats[".dropped"].cpu(), expected.cpu(), f"rank {r}")
+    te.shutdown_ep_groups()
