@@ -12,10 +12,10 @@ Quick start::
 from ._version import __version__
 from . import ops
 from .autograd import DispatchOutput, Fp8DispatchOutput, ep_combine, ep_dispatch, ep_dispatch_fp8
-from .group import BACKENDS, CHECKS, EpGroup, EpHandle, HandleConfig
+from .group import BACKENDS, CHECKS, OVERFLOWS, EpGroup, EpHandle, HandleConfig
 from .ops import dequantize_fp8, quantize_fp8
 from . import permutation
-from . import moe, overlap, parallel
+from . import moe, overlap, parallel, zones
 from .moe import GroupedExperts, MoE, RouterOutput, SwiGLU, TopKRouter
 from .parallel import (
     ExpertParallel,
@@ -41,6 +41,7 @@ __all__ = [
     "ops",
     "BACKENDS",
     "CHECKS",
+    "OVERFLOWS",
     "EpGroup",
     "EpHandle",
     "HandleConfig",
@@ -59,6 +60,7 @@ __all__ = [
     "sort_chunks_by_index",
     "sort_chunks_by_map",
     "moe",
+    "zones",
     "parallel",
     "overlap",
     "MoE",
