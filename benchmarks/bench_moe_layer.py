@@ -138,7 +138,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                              "shared expert overlapping them (te_ep-overlap rows)")
     parser.add_argument("--fp8", action="store_true",
                         help="also time each te_ep block with FP8 dispatch (te_ep-fp8 rows)")
-    parser.add_argument("--nccl-ep-mode", default="staged", choices=["staged", "zero_copy", "auto"],
+    parser.add_argument("--nccl-ep-mode", default=te.DEFAULT_NCCL_EP_MODE, choices=["staged", "zero_copy", "auto"],
                         help="EpGroup(nccl_ep_mode=...) of the te_ep blocks (run once per mode to compare them)")
     parser.add_argument("--checks", default="local", choices=["local", "device", "synchronous"],
                         help="EpGroup(checks=...) of the te_ep blocks (docs/ops.md, 'Check modes')")

@@ -12,7 +12,7 @@ Quick start::
 from ._version import __version__
 from . import ops
 from .autograd import DispatchOutput, Fp8DispatchOutput, ep_combine, ep_dispatch, ep_dispatch_fp8
-from .group import BACKENDS, CHECKS, OVERFLOWS, EpGroup, EpHandle, HandleConfig
+from .group import BACKENDS, CHECKS, DEFAULT_NCCL_EP_MODE, NCCL_EP_MODES, OVERFLOWS, EpGroup, EpHandle, HandleConfig
 from .ops import dequantize_fp8, quantize_fp8
 from . import permutation
 from . import moe, overlap, parallel, zones
@@ -42,6 +42,8 @@ __all__ = [
     "BACKENDS",
     "CHECKS",
     "OVERFLOWS",
+    "NCCL_EP_MODES",
+    "DEFAULT_NCCL_EP_MODE",
     "EpGroup",
     "EpHandle",
     "HandleConfig",

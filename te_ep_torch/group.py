@@ -18,10 +18,14 @@ from torch import Tensor
 
 from . import _agreement, _nccl_ep, ops
 
-__all__ = ["EpGroup", "EpHandle", "HandleConfig", "BACKENDS", "NCCL_EP_MODES", "CHECKS", "OVERFLOWS"]
+__all__ = ["EpGroup", "EpHandle", "HandleConfig", "BACKENDS", "NCCL_EP_MODES", "DEFAULT_NCCL_EP_MODE", "CHECKS", "OVERFLOWS"]
 
 BACKENDS = ("auto", "reference", "nccl_ep")
 NCCL_EP_MODES = ("auto", "zero_copy", "staged")
+# The nccl_ep transport a group runs where none is asked for, everywhere a user can reach it
+# (EpGroup, te.MoE, parallelize_moe_model, the TorchTitan and transformers integrations);
+# docs/nccl_ep.md, "Modes", names the run that decided it.
+DEFAULT_NCCL_EP_MODE = "zero_copy"
 # How a handle catches bad input (docs/ops.md, "Check modes"); the first is the default.
 CHECKS = ("local", "device", "synchronous")
 # What a step whose routing needs more receive rows than the capacity does (docs/ops.md,
@@ -222,13 +226,13 @@ class EpGroup:
         device: device of the handles' buffers; defaults to the current CUDA
             device for an NCCL group and to CPU otherwise.
         nccl_ep_mode: how the ``nccl_ep`` backend moves tokens (docs/nccl_ep.md,
-            "Modes"): ``"staged"`` (through NCCL EP's own buffers into tensors from
-            the caching allocator; the default: the faster one for a training step
-            with NCCL EP 0.2.0), ``"zero_copy"`` (receive and combine rows in NCCL
-            symmetric windows owned by each handle: a 3x faster ``prepare`` and a
-            faster dispatch, a slower ``dispatch_bwd``) or ``"auto"`` (zero-copy where
-            every rank can allocate window memory, else staged, with a warning). Each
-            handle reports the mode it runs in (:attr:`EpHandle.mode`).
+            "Modes"): ``"zero_copy"`` (the default, ``DEFAULT_NCCL_EP_MODE``: receive
+            and combine rows in NCCL symmetric windows owned by each handle; the faster
+            dispatch, ``prepare`` and combine, and less step memory), ``"staged"``
+            (through NCCL EP's own buffers into tensors from the caching allocator) or
+            ``"auto"`` (zero-copy where every rank can allocate window memory, else
+            staged, with a warning). Each handle reports the mode it runs in
+            (:attr:`EpHandle.mode`).
         timeout: ``nccl_ep`` only: how long an op may take, on the host and on the GPU (a
             ``datetime.timedelta`` or seconds). NCCL EP's kernels wait for the other
             ranks without a limit; te_ep's watchdog ends a process whose op has not
@@ -257,7 +261,7 @@ class EpGroup:
         max_tokens_per_rank: int,
         backend: str = "auto",
         device: Optional[Union[torch.device, str]] = None,
-        nccl_ep_mode: str = "staged",
+        nccl_ep_mode: str = DEFAULT_NCCL_EP_MODE,
         timeout: Union[None, float, datetime.timedelta] = None,
         checks: str = "local",
     ) -> None:

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from .group import OVERFLOWS, EpGroup, check_capacity_factor
+from .group import DEFAULT_NCCL_EP_MODE, OVERFLOWS, EpGroup, check_capacity_factor
 from .moe import MoE
 
 __all__ = [
@@ -63,7 +63,7 @@ def ep_group_for(
     max_tokens_per_rank: int,
     backend: str = "auto",
     device=None,
-    nccl_ep_mode: str = "staged",
+    nccl_ep_mode: str = DEFAULT_NCCL_EP_MODE,
     timeout=None,
     checks: str = "local",
 ) -> EpGroup:
@@ -149,7 +149,7 @@ class ExpertParallel(ParallelStyle):
         capacity_factor: Optional[float] = None,
         overflow: str = "raise",
         src_data_rank: Optional[int] = 0,
-        nccl_ep_mode: str = "staged",
+        nccl_ep_mode: str = DEFAULT_NCCL_EP_MODE,
         timeout=None,
         checks: str = "local",
     ) -> None:
@@ -313,7 +313,7 @@ def parallelize_moe_model(
     blocks: Optional[Iterable[nn.Module]] = None,
     mp_policy=None,
     reshard_after_forward: bool = True,
-    nccl_ep_mode: str = "staged",
+    nccl_ep_mode: str = DEFAULT_NCCL_EP_MODE,
     timeout=None,
     checks: str = "local",
 ) -> nn.Module:

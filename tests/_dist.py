@@ -79,13 +79,14 @@ class Ctx:
     world_size: int
     device: str  # "cpu" or "cuda:<local rank>"
     backend: str  # te_ep backend under test: "reference", "nccl_ep" or "auto"
-    nccl_ep_mode: str = "staged"  # EpGroup's nccl_ep_mode under test
+    nccl_ep_mode: Optional[str] = None  # EpGroup's nccl_ep_mode under test (None: EpGroup's default)
     checks: str = "local"  # EpGroup's checks under test
     tmp_dir: str = ""  # a directory every rank of the run (fresh) or of the pool shares
 
     def group_options(self) -> dict:
         """The EpGroup options under test, for every group a case makes."""
-        return {"nccl_ep_mode": self.nccl_ep_mode, "checks": self.checks}
+        mode = {} if self.nccl_ep_mode is None else {"nccl_ep_mode": self.nccl_ep_mode}
+        return {**mode, "checks": self.checks}
 
 
 class HangError(AssertionError):

@@ -536,7 +536,7 @@ def test_runner_records_which_limit_ended_each_rank(tmp_path):
                                               "torch PG timeout (raised)"], recs
     result = CaseResult(case="rank_exits_mid_step", config=RunConfig(world_size=3), faulty=0, ranks=recs)
     line = runner.summary_line(result)
-    assert line.startswith("rank_exits_mid_step W=3 backend=reference mode=staged checks=local pg_timeout=5s "
+    assert line.startswith("rank_exits_mid_step W=3 backend=reference mode=zero_copy checks=local pg_timeout=5s "
                            "group_timeout_ms=5000 | "), line
     assert "r0: te_ep watchdog (host) after" in line and "r2: torch PG timeout (raised) after 5.00 s" in line, line
 

@@ -55,7 +55,7 @@ from torchtitan.models.common.moe import GroupedExperts
 
 from .. import group as _group
 from ..autograd import ep_combine, ep_dispatch, ep_dispatch_fp8
-from ..group import BACKENDS, CHECKS, NCCL_EP_MODES, OVERFLOWS, EpHandle
+from ..group import BACKENDS, CHECKS, DEFAULT_NCCL_EP_MODE, NCCL_EP_MODES, OVERFLOWS, EpHandle
 from ..moe import GROUPED_MM_ALIGNMENT
 from ..ops import FP8_BLOCK
 from ..parallel import ep_group_for
@@ -182,7 +182,7 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
         overflow: str = "raise"
         backend: str = "auto"
         fp8_dispatch: bool = False
-        nccl_ep_mode: str = "staged"
+        nccl_ep_mode: str = DEFAULT_NCCL_EP_MODE
         timeout: float | None = None
         checks: str = "local"
 

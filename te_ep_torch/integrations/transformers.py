@@ -62,7 +62,7 @@ from transformers import activations as _activations
 
 from .. import group as _group
 from ..autograd import ep_combine, ep_dispatch
-from ..group import BACKENDS, CHECKS, NCCL_EP_MODES, EpGroup, EpHandle
+from ..group import BACKENDS, CHECKS, DEFAULT_NCCL_EP_MODE, NCCL_EP_MODES, EpGroup, EpHandle
 from ..moe import GROUPED_MM_ALIGNMENT, grouped_mm_supported
 from ..parallel import _flat_dp_mesh, ep_group_for
 from ..zones import expert_ffn, weighted_for_combine
@@ -395,7 +395,7 @@ def parallelize_hf_moe(
     *,
     max_tokens_per_rank: int,
     backend: str = "auto",
-    nccl_ep_mode: str = "staged",
+    nccl_ep_mode: str = DEFAULT_NCCL_EP_MODE,
     timeout=None,
     checks: str = "local",
     dtype: Optional[torch.dtype] = None,

@@ -57,8 +57,8 @@ def main(argv=None) -> int:
                          "first use of a shape compiles for tens of seconds, which would count as a hang)")
     ap.add_argument("--checks", default="local", choices=("local", "device", "synchronous"),
                     help="EpGroup(checks=...) in the ranks (nccl_ep; variants nccl_ep, nccl_ep+device, nccl_ep+check)")
-    ap.add_argument("--nccl-ep-mode", default="staged", choices=("staged", "zero_copy", "auto"),
-                    help="EpGroup(nccl_ep_mode=...) in the ranks")
+    ap.add_argument("--nccl-ep-mode", default=None, choices=("staged", "zero_copy", "auto"),
+                    help="EpGroup(nccl_ep_mode=...) in the ranks (default: EpGroup's)")
     ap.add_argument("--start-method", default="forkserver", choices=("forkserver", "spawn"))
     ap.add_argument("-k", dest="patterns", nargs="+", default=None, metavar="SUBSTR",
                     help="only cases whose name contains one of these")

@@ -75,7 +75,7 @@ class RunConfig:
     world_size: int = 2
     pg_timeout_s: float = DEFAULT_PG_TIMEOUT_S
     checks: str = "local"  # EpGroup's checks in the ranks
-    nccl_ep_mode: str = "staged"  # EpGroup's nccl_ep_mode in the ranks
+    nccl_ep_mode: Optional[str] = None  # EpGroup's nccl_ep_mode in the ranks (None: EpGroup's default)
     start_method: str = "forkserver"
     startup_limit_s: float = DEFAULT_STARTUP_LIMIT_S
     # Diagnostics (issue 35): seconds after a rank's body starts at which it dumps the Python
@@ -83,6 +83,14 @@ class RunConfig:
     # system call) to its stderr; and a directory where each case's rank stderr files are kept.
     dump_after_s: Tuple[float, ...] = ()
     keep_logs: str = ""
+
+    @property
+    def mode(self) -> str:
+        """The nccl_ep mode the ranks' groups ask for (EpGroup's default where none is given)."""
+        if self.nccl_ep_mode is not None:
+            return self.nccl_ep_mode
+        from te_ep_torch.group import DEFAULT_NCCL_EP_MODE
+        return DEFAULT_NCCL_EP_MODE
 
     @property
     def variant(self) -> str:
@@ -189,7 +197,7 @@ class FaultCtx:
         self.rank = rank
         self.world_size = config.world_size
         self.backend = config.backend
-        self.nccl_ep_mode = config.nccl_ep_mode
+        self.nccl_ep_mode = config.mode
         self.checks = config.checks
         self.config = config
         self.pg_timeout_s = config.pg_timeout_s
@@ -449,7 +457,7 @@ def run_case(case, config: RunConfig) -> CaseResult:
         return result
     finally:
         if config.keep_logs:
-            kept = os.path.join(config.keep_logs, f"{case.name}.{config.variant}.{config.nccl_ep_mode}."
+            kept = os.path.join(config.keep_logs, f"{case.name}.{config.variant}.{config.mode}."
                                                   f"w{W}")
             os.makedirs(kept, exist_ok=True)
             for r in range(W):
@@ -559,7 +567,7 @@ def summary_line(result: CaseResult) -> str:
     cfg = result.config
     limits = sorted({rec.limit_ms for rec in result.ranks if rec.limit_ms is not None})
     ranks = "; ".join(f"r{rec.rank}: {rec.ended_by or rec.status} after {_secs(rec)} s" for rec in result.ranks)
-    return (f"{result.case} W={result.world_size} backend={cfg.backend} mode={cfg.nccl_ep_mode} checks={cfg.checks} "
+    return (f"{result.case} W={result.world_size} backend={cfg.backend} mode={cfg.mode} checks={cfg.checks} "
             f"pg_timeout={cfg.pg_timeout_s:g}s group_timeout_ms={','.join(map(str, limits)) or '?'}"
             f"{' HANG' if result.hang else ''} | {ranks}")
 

@@ -132,8 +132,8 @@ def main() -> int:
                     help="'only': run just the cases that need every rank to raise on one rank's bad input")
     ap.add_argument("--checks", default="local", choices=("local", "device", "synchronous"),
                     help="EpGroup(checks=...) of the cases' groups")
-    ap.add_argument("--nccl-ep-mode", default="staged", choices=("staged", "zero_copy", "auto"),
-                    help="EpGroup(nccl_ep_mode=...) of the cases' groups")
+    ap.add_argument("--nccl-ep-mode", default=None, choices=("staged", "zero_copy", "auto"),
+                    help="EpGroup(nccl_ep_mode=...) of the cases' groups (default: EpGroup's)")
     args = ap.parse_args()
 
     local_rank = int(os.environ["LOCAL_RANK"])

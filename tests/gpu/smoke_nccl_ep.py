@@ -25,6 +25,8 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from te_ep_torch.group import DEFAULT_NCCL_EP_MODE  # noqa: E402
+
 OPS = None
 RANK = 0
 WORLD = 1
@@ -32,7 +34,7 @@ DEVICE = None
 GROUP = ""
 RESULTS = []
 # The nccl_ep mode every handle of the smoke test uses (docs/nccl_ep.md, "Modes"; --nccl-ep-mode).
-MODE = "staged"
+MODE = DEFAULT_NCCL_EP_MODE
 
 
 def log(msg: str) -> None:
@@ -285,7 +287,7 @@ def main() -> int:
     global OPS, RANK, WORLD, DEVICE, GROUP, MODE
     parser = argparse.ArgumentParser()
     parser.add_argument("--no-graph", action="store_true", help="skip the CUDA graph capture check")
-    parser.add_argument("--nccl-ep-mode", default="staged", choices=("staged", "zero_copy", "auto"))
+    parser.add_argument("--nccl-ep-mode", default=DEFAULT_NCCL_EP_MODE, choices=("staged", "zero_copy", "auto"))
     args = parser.parse_args()
     MODE = args.nccl_ep_mode
 

@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--backend", default="nccl_ep", choices=te.BACKENDS)
     parser.add_argument("--step-timeout", type=float, default=60.0)
-    parser.add_argument("--nccl-ep-mode", default="staged", choices=te.group.NCCL_EP_MODES)
+    parser.add_argument("--nccl-ep-mode", default=te.DEFAULT_NCCL_EP_MODE, choices=te.group.NCCL_EP_MODES)
     args = parser.parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
