@@ -18,7 +18,8 @@ raise is measured and judged like any other.
 checks='device') to what the code does,
 an `Expect` with its `shortfall` where that differs from the contract. The nccl_ep ones are
 declared from the code (csrc/torch/nccl_ep_checks.cpp, comm_ops.cpp, csrc/common/watchdog.h)
-and docs/ops.md, "Check modes", not measured here. tests/test_faults.py holds the reference
+and docs/ops.md, "Check modes", and say where GPU runs measured them (the lost-rank cases:
+MEASURED_LOST); this CPU run measures the reference backend. tests/test_faults.py holds the reference
 backend to its declared behaviour and checks that each declared shortfall is still one.
 Whatever is declared, a rank that hangs or returns an output that is not declared fails the
 case (expect.undeclared_failures).
@@ -500,7 +501,14 @@ NCCL_EP_DEVICE_SHORTFALL = (NOT_MEASURED + "check mode `device`: nothing is rais
                             "on every rank (its outputs are exactly zero); every rank raises the same agreed message, "
                             "naming the faulty rank and the value, a step late (at the handle's next prepare, or "
                             "EpHandle.check()), and the handle then runs exact steps")
-NCCL_EP_SYNC_LOST_SHORTFALL = (NOT_MEASURED + "checks='synchronous' agrees on errors through the NCCL process group "
+# The lost-rank cases (rank_exits_mid_step, rank_sleeps_past_timeout) are measured on GPUs: 4 x H200,
+# W=2 (20 s PG timeout, 2026-11-26: local staged/zero_copy, device and synchronous staged) and W=4 (10 s,
+# 2026-11-26: every check mode x both nccl_ep modes); docs/results.md, "a lost or stalled rank".
+MEASURED_LOST = "measured on GPUs at W=2 and W=4 (docs/results.md, 'a lost or stalled rank'): "
+NCCL_EP_LOST_RANK_SHORTFALL = (MEASURED_LOST + "no Python exception on the waiting ranks; te_ep's watchdog ends them "
+                               "(exit code 70) one process-group timeout after they entered the op, with a message "
+                               "naming the op, the handle, the group and the rank, but not the rank at fault")
+NCCL_EP_SYNC_LOST_SHORTFALL = (MEASURED_LOST + "checks='synchronous' agrees on errors through the NCCL process group "
                                "at the start of every op; the survivors wait in that all-reduce, inside the op on the "
                                "host, and te_ep's watchdog ends them (exit code 70) one limit after they entered the "
                                "op, before torch's NCCL watchdog (whose limit counts from the all-reduce's start) would "
@@ -707,21 +715,23 @@ CASES = [
         behaviour={
             "reference": _EXIT_CONTRACT.but(others_say=("te_ep.dispatch", "collective with the other ranks failed",
                                                         GLOO_LOST_PEER), shortfall=GLOO_SHORTFALL),
-            # Measured on GPUs (W=2, 2026-11-26, docs/results.md): the survivor ends by te_ep's
-            # watchdog (host) 20.2 s after the fault at a 20 s PG timeout, in every check mode and
-            # both nccl_ep modes. No torch collective in the step: the survivors' dispatch waits for the
+            # Measured on GPUs (4 x H200, 2026-11-26, docs/results.md): every survivor ends by te_ep's
+            # watchdog (host) 20.2 s after the fault at W=2 (20 s PG timeout) and 10.2-10.5 s at W=4
+            # (10 s), in every check mode and both nccl_ep modes. No torch collective in the step: the survivors' dispatch waits for the
             # lost rank without a limit until te_ep's watchdog ends them one process-group
             # timeout after they entered dispatch (the device mode's agreement runs inside
             # prepare, which every rank completed on the host before the exit). The faulty rank
             # exits as soon as prepare returns on its host, so its GPU may not have done its part
             # of prepare's routing exchange: then the survivors' prepare is the op whose GPU work
             # is late, and the watchdog names it (EXITS_LATE_OPS).
-            "nccl_ep": _watchdog_ends(_EXIT_CONTRACT, EXITS_LATE_OPS, raising="none", watchdog="others"),
+            "nccl_ep": _watchdog_ends(_EXIT_CONTRACT, EXITS_LATE_OPS, NCCL_EP_LOST_RANK_SHORTFALL, raising="none",
+                                      watchdog="others"),
             # the survivors wait in dispatch's agreement (a torch all-reduce); te_ep's watchdog
             # counts from their entry into dispatch, so it ends them before torch's would
             "nccl_ep+check": _watchdog_ends(_EXIT_CONTRACT, EXITS_LATE_OPS, NCCL_EP_SYNC_LOST_SHORTFALL,
                                             raising="none", watchdog="others"),
-            "nccl_ep+device": _watchdog_ends(_EXIT_CONTRACT, EXITS_LATE_OPS, raising="none", watchdog="others"),
+            "nccl_ep+device": _watchdog_ends(_EXIT_CONTRACT, EXITS_LATE_OPS, NCCL_EP_LOST_RANK_SHORTFALL, raising="none",
+                                             watchdog="others"),
         },
         world_sizes=(2, 3),
         wall=lambda pg: 2 * pg + TORCH_ABORT_SLACK_S + 10,
@@ -735,18 +745,18 @@ CASES = [
             # late rank fails at once when it arrives
             # (the message does not name the late rank; the contract does not ask it to)
             "reference": _SLEEP_CONTRACT,
-            # Measured on GPUs (W=2, 2026-11-26, docs/results.md): the waiting rank ends by te_ep's
-            # watchdog (host) at 20.1 s, the late rank at 41.7 s, in every check mode and both
-            # nccl_ep modes. No torch collective in a default-mode step: the waiting ranks' dispatch kernels spin
+            # Measured on GPUs (4 x H200, 2026-11-26, docs/results.md): the waiting ranks end by te_ep's
+            # watchdog (host) one PG timeout after the fault (20.1 s at W=2, 10.2-10.4 s at W=4), the
+            # late rank at 41.7 s / 21.7 s, in every check mode and both nccl_ep modes. No torch collective in a default-mode step: the waiting ranks' dispatch kernels spin
             # until te_ep's watchdog ends them one PG timeout after they entered dispatch; the late
             # rank then finds no peers, and its own watchdog ends it one timeout after it arrives
             # (in the synchronous mode both wait on the host, in dispatch's agreement).
-            "nccl_ep": _watchdog_ends(_SLEEP_CONTRACT, "dispatch", raising="none", watchdog="all",
-                                      watchdog_max_s=_SLEEP_CONTRACT.max_s),
+            "nccl_ep": _watchdog_ends(_SLEEP_CONTRACT, "dispatch", NCCL_EP_LOST_RANK_SHORTFALL, raising="none",
+                                      watchdog="all", watchdog_max_s=_SLEEP_CONTRACT.max_s),
             "nccl_ep+check": _watchdog_ends(_SLEEP_CONTRACT, "dispatch", NCCL_EP_SYNC_LOST_SHORTFALL,
                                             raising="none", watchdog="all", watchdog_max_s=_SLEEP_CONTRACT.max_s),
-            "nccl_ep+device": _watchdog_ends(_SLEEP_CONTRACT, "dispatch", raising="none", watchdog="all",
-                                             watchdog_max_s=_SLEEP_CONTRACT.max_s),
+            "nccl_ep+device": _watchdog_ends(_SLEEP_CONTRACT, "dispatch", NCCL_EP_LOST_RANK_SHORTFALL, raising="none",
+                                             watchdog="all", watchdog_max_s=_SLEEP_CONTRACT.max_s),
         },
         wall=lambda pg: 3 * pg + SLEEP_PAST_TIMEOUT_S + TORCH_ABORT_SLACK_S + 10,
     ),
