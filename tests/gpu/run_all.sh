@@ -15,12 +15,14 @@
 # selects parts, e.g. to split the run across shorter commands.
 #   bash tests/gpu/run_all.sh --quick    # every path once: each nccl_ep mode x check mode on a few
 #                                        # cases (bf16 and FP8, eager, compiled and CUDA graph, their
-#                                        # errors), the smoke test, a few fault cases (a rank that exits
-#                                        # mid-step: the watchdog's host side, measured at W=2), the
+#                                        # errors), the smoke test, a few fault cases at a 10 s process-
+#                                        # group timeout (a rank that exits mid-step: the watchdog's host
+#                                        # side, measured at W=2 and W=4), the
 #                                        # watchdog's GPU side (tests/gpu/test_watchdog.py); no soak
 if [ "${1:-}" = "--quick" ]; then
   export TE_EP_SUITE_CASES=${TE_EP_SUITE_CASES:-"routing_exact fp8_dispatch_exact cuda_graph check_modes device_checks_op_arguments bad_input_tokens_dtype capacity_overflow"}
   export TE_EP_FAULT_CASES=${TE_EP_FAULT_CASES:-"expert_id_out_of_range tokens_dtype_one_rank rank_exits_mid_step"}
+  export TE_EP_FAULT_PG_TIMEOUT=${TE_EP_FAULT_PG_TIMEOUT:-10}
   export TE_EP_WORLD_SIZES=${TE_EP_WORLD_SIZES:-2}
   export TE_EP_PARTS=${TE_EP_PARTS:-nccl_suite smoke faults fp8 overlap watchdog}
 fi
@@ -85,12 +87,18 @@ fi
 # other than the one declared in tests/faults/cases.py (docs/ops.md, "Faults and bad input").
 # On one GPU: at W=1 (the cases marked one_rank; the faulty rank's side only).
 fw=$(( ngpu >= 2 ? 2 : 1 ))
+# The harness's fault-free warm-up (NCCL EP's kernels for the cases' shapes, cached on disk) runs
+# once per nccl_ep mode; TE_EP_FAULT_PG_TIMEOUT (seconds; --quick: 10) sets the cases' process-group
+# timeout, which is what a lost-rank case waits.
 if want faults; then
   for mode in $MODES; do
+    warmed=""
     for checks in $CHECKS; do
       run "faults W=$fw nccl_ep mode=$mode checks=$checks" "$LOG/faults.log" \
         timeout 1200 "$PY" -m tests.faults --backend nccl_ep --world-size $fw --nccl-ep-mode "$mode" \
-        --checks "$checks" -v ${TE_EP_FAULT_CASES:+-k $TE_EP_FAULT_CASES}
+        --checks "$checks" -v $warmed ${TE_EP_FAULT_PG_TIMEOUT:+--pg-timeout $TE_EP_FAULT_PG_TIMEOUT} \
+        ${TE_EP_FAULT_CASES:+-k $TE_EP_FAULT_CASES}
+      warmed="--no-warmup"
     done
   done
 fi
