@@ -668,7 +668,40 @@ def measure(variant: Variant, routing: Routing, shape: Shape, args, device: torc
     ops = variant.ops()
     error = max(roundtrip_error(op, routing, shape.top_k, device) for name, op in ops.items()
                 if name.startswith("combine"))
-    return {name: op.time(args, device) for name, op in ops.items()}, error
+    timings = {name: op.time(args, device) for name, op in ops.items()}
+    if args.profile:
+        profile_ops(variant.label, ops, args.profile, device)
+    return timings, error
+
+
+def profile_ops(label: str, ops: Dict[str, "Op"], iters: int, device: torch.device) -> None:
+    """``--profile N``: N more calls of each op under torch.profiler (every rank runs them, rank 0
+    prints): the host calls (self CPU time: the op, te_ep's and NCCL EP's CUDA API calls) and the
+    kernels (self device time) behind one op's time, per call, in this variant."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for name, op in ops.items():
+        dist.barrier()
+        with profile(activities=activities) as prof:
+            for _ in range(iters):
+                if op.setup is not None:
+                    op.setup()
+                    _common.synchronize(device)
+                op.fn()
+                _common.synchronize(device)
+        if dist.get_rank() != 0:
+            continue
+        events = prof.key_averages()
+        print(f"\n-- profile {label} {name}: {iters} calls; us per call (rank 0; setup between calls included)")
+        for title, key in (("host", "self_cpu_time_total"), ("device", "self_device_time_total")):
+            if title == "device" and device.type != "cuda":
+                continue
+            rows = sorted((e for e in events if getattr(e, key, 0) > 0), key=lambda e: -getattr(e, key))[:12]
+            total = sum(getattr(e, key) for e in events) / iters
+            print(f"   {title}: {total:.1f} us per call in all")
+            for e in rows:
+                print(f"     {getattr(e, key) / iters:9.1f} us  x{e.count / iters:4.1f}  {e.key[:90]}")
 
 
 def fit_capacity(routing: Routing, shape: Shape, world: int, args, device: torch.device) -> int:
@@ -853,9 +886,12 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true",
                         help="also time each te_ep row with FP8 dispatch (te_ep-fp8/MODE rows, quantize included)")
     parser.add_argument("--csv", help="also write the rows to this CSV file (rank 0), rewritten after each shape")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after timing each variant, N more calls of each op under torch.profiler: rank 0 prints "
+                             "the host calls and kernels behind each op (not part of the timed rows)")
     args = parser.parse_args()
-    if args.warmup < 0 or args.iters < 1:
-        parser.error("--warmup must be >= 0 and --iters >= 1")
+    if args.warmup < 0 or args.iters < 1 or args.profile < 0:
+        parser.error("--warmup must be >= 0, --iters >= 1 and --profile >= 0")
     if args.alignment < 1 or args.alignment & (args.alignment - 1):
         parser.error(f"--alignment must be a power of two, got {args.alignment}")
     for spec in args.nccl_ep_env or []:
