@@ -24,7 +24,8 @@ BACKENDS = ("auto", "reference", "nccl_ep")
 NCCL_EP_MODES = ("auto", "zero_copy", "staged")
 # The nccl_ep transport a group runs where none is asked for, everywhere a user can reach it
 # (EpGroup, te.MoE, parallelize_moe_model, the TorchTitan and transformers integrations);
-# docs/nccl_ep.md, "Modes", names the run that decided it.
+# docs/nccl_ep.md, "Modes", names the run that decided it. EpGroup always passes the mode to
+# the create_handle op, whose schema keeps 0.2.0's default (docs/ops.md, "create_handle").
 DEFAULT_NCCL_EP_MODE = "zero_copy"
 # How a handle catches bad input (docs/ops.md, "Check modes"); the first is the default.
 CHECKS = ("local", "device", "synchronous")

@@ -1,0 +1,53 @@
+"""The nccl_ep transport a user gets without asking: one owner, te_ep_torch.DEFAULT_NCCL_EP_MODE.
+
+Every Python entry point defaults to it (docs/nccl_ep.md, "Modes"); the create_handle op keeps
+its 0.2.0 schema default, which EpGroup never relies on (docs/ops.md, "create_handle").
+"""
+
+import inspect
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import te_ep_torch as te
+from _dist import REPO, subprocess_env
+from te_ep_torch.parallel import ep_group_for
+
+
+def _default(fn, name="nccl_ep_mode"):
+    return inspect.signature(fn).parameters[name].default
+
+
+def test_the_default_is_zero_copy_and_a_mode():
+    assert te.DEFAULT_NCCL_EP_MODE == "zero_copy"
+    assert te.DEFAULT_NCCL_EP_MODE in te.NCCL_EP_MODES
+
+
+@pytest.mark.parametrize("entry", [te.EpGroup, te.ExpertParallel, te.parallelize_moe_model, ep_group_for],
+                         ids=lambda f: f.__name__)
+def test_entry_points_take_the_one_default(entry):
+    assert _default(entry) == te.DEFAULT_NCCL_EP_MODE
+
+
+def test_transformers_takes_the_one_default():
+    pytest.importorskip("transformers")
+    from te_ep_torch.integrations.transformers import parallelize_hf_moe
+
+    assert _default(parallelize_hf_moe) == te.DEFAULT_NCCL_EP_MODE
+
+
+def test_torchtitan_config_takes_the_one_default():
+    # TorchTitan is imported in an interpreter of its own, as tests/test_torchtitan.py does
+    code = ("import te_ep_torch as te; from te_ep_torch.integrations.torchtitan import TeEpTokenDispatcher as D; "
+            "print(D.Config(num_experts=8, top_k=2, hidden_dim=8, num_max_tokens_per_rank=4).nccl_ep_mode == te.DEFAULT_NCCL_EP_MODE)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "True", out.stdout
+
+
+def test_the_op_schema_keeps_its_020_default():
+    (arg,) = [a for a in torch.ops.te_ep.create_handle.default._schema.arguments if a.name == "nccl_ep_mode"]
+    assert arg.default_value == "staged"
