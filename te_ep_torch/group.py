@@ -125,9 +125,10 @@ def check_capacity_factor(factor: object, what: str, same_rows: str = "") -> Non
 
     The factor multiplies the mean receive load of a rank (:meth:`EpGroup.capacity_for_factor`).
     Values below 1.0 are refused rather than taken: they size the buffer below what a balanced
-    routing puts on every rank, so with overflow raising (the only policy; docs/ops.md,
-    "Capacity") the ordinary step would raise; and (0, 1) is the range of the old meaning (a
-    fraction of the worst case), whose configurations would otherwise run with other rows."""
+    routing puts on every rank, so the ordinary step would raise (``overflow="raise"``, the
+    default) or drop choices (``"drop"``; docs/ops.md, "Capacity"); and (0, 1) is the range of
+    the old meaning (a fraction of the worst case), whose configurations would otherwise run
+    with other rows."""
     if factor is None:
         return
     if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not math.isfinite(factor):
@@ -718,6 +719,7 @@ class EpHandle:
         flat = topk_idx.reshape(-1).to(torch.int64)
         valid = (flat >= 0) & (flat < num_experts)
         key = torch.where(valid, flat, num_experts)  # invalid ids form a last group of their own
+        expert = torch.where(valid, flat, 0)  # an index for every choice; `valid` masks what it reads
         counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device).index_add_(
             0, key, torch.ones_like(key))
         order = torch.sort(key, stable=True).indices
@@ -729,9 +731,9 @@ class EpHandle:
 
             every = funcol.all_gather_tensor(counts[:num_experts].contiguous(), 0, group.group_name)
             before = every.view(group.ep_size, num_experts)[: group.rank].sum(0)
-            place = place + before[torch.where(valid, flat, 0)]
+            place = place + before[expert]
         drop = valid & (place >= self.expert_share)
-        self.dropped.index_add_(0, torch.where(drop, flat, 0), drop.to(torch.int64))
+        self.dropped.index_add_(0, expert, drop.to(torch.int64))
         return torch.where(drop.view(topk_idx.shape), torch.full_like(topk_idx, -1), topk_idx)
 
     def destroy(self) -> None:
