@@ -541,6 +541,29 @@ def test_runner_records_which_limit_ended_each_rank(tmp_path):
     assert "r0: te_ep watchdog (host) after" in line and "r2: torch PG timeout (raised) after 5.00 s" in line, line
 
 
+def test_runner_does_not_read_nccl_ep_start_up_line_as_its_timeout(tmp_path):
+    """NCCL EP prints "NCCL EP: using timeout=...ms" on rank 0 at every group creation: a rank that
+    raised its own argument error is "raised", not ended by NCCL EP's timeout (seen on 2 x H200,
+    2026-11-26, where every such rank 0 read "NCCL EP timeout"); NCCL EP's own timeout lines are."""
+    from faults import runner
+
+    class Ended:
+        exitcode = 0
+
+    start_up = "NCCL EP: using timeout=10000ms (env=unset, config.timeout_ns=10000000000, source=config.timeout_ns)"
+    own_timeout = "NCCL EP timeout check failed: rank = 0, thread = 3, value = 0)"
+    ended = []
+    for name, stderr in (("start_up", start_up), ("own_timeout", start_up + "\n" + own_timeout)):
+        path = tmp_path / f"{name}.json"
+        (tmp_path / f"{name}.stderr").write_text(stderr + "\n")
+        runner._write_json(str(path), dataclasses.asdict(RankRecord(
+            rank=0, status="raised", done=True, t_fault=100.0, t_end=100.05, limit_ms=10000,
+            message="te_ep.dispatch: tokens.size(1) must be 16 (the handle's hidden), got 17")))
+        rec, = runner._finish_records([str(path)], [Ended()], t_stop=101.0, seen_dead={})
+        ended.append(rec.ended_by)
+    assert ended == ["raised", "NCCL EP timeout"], ended
+
+
 # ---------------------------------------------------------------------------
 # the command line
 # ---------------------------------------------------------------------------

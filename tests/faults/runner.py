@@ -527,7 +527,11 @@ def _finish_records(paths: List[str], procs, t_stop: float, seen_dead: dict) -> 
 
 # What each limit leaves behind (issue 35: which limit ended each rank).
 TE_EP_HOST_SAYS = "has not returned on the host"
-NCCL_EP_TIMEOUT_SAYS = ("NCCL EP", "timeout")
+# What NCCL EP prints when one of its limits passes ("NCCL EP timeout check failed ...",
+# "Warning: NCCL EP timeout for dispatch receive ...", "NCCL EP clean barrier timeout ...").
+# Not its start-up line on rank 0, "NCCL EP: using timeout=600000ms (...)", which every
+# group creation prints and which says nothing about how a rank ended.
+NCCL_EP_TIMEOUT_SAYS = re.compile(r"NCCL EP (?:clean barrier )?timeout")
 
 
 def _ended_by(rec: RankRecord, stderr: str) -> str:
@@ -550,7 +554,7 @@ def _ended_by(rec: RankRecord, stderr: str) -> str:
         return "te_ep watchdog (host)" if TE_EP_HOST_SAYS in (said + stderr) else "te_ep watchdog (GPU)"
     if rec.exit_code == TORCH_ABORT_EXIT_CODE and TORCH_WATCHDOG_SAYS in stderr:
         return "torch PG timeout (abort)"
-    if all(part in said or part in stderr for part in NCCL_EP_TIMEOUT_SAYS):
+    if NCCL_EP_TIMEOUT_SAYS.search(said) or NCCL_EP_TIMEOUT_SAYS.search(stderr):
         return "NCCL EP timeout"
     if rec.status == "raised" or rec.after.startswith("died"):
         failed = re.search(r"collective with the other ranks failed \((.*)\): a rank exited", said, re.S)

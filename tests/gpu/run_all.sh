@@ -10,8 +10,9 @@
 # permutation CUDA tests, the FP8 tests (quantize kernels, the FP8-dispatch MoE layer) and the
 # overlap tests (communication stream vs sequential layer, bitwise, with a delayed stream), and the
 # watchdog tests (one GPU: an nccl_ep op stalled behind a spinning kernel ends the process).
-# Prints a summary line per part and exits
-# non-zero if any part failed. TE_EP_PARTS (default "suite smoke soak perm faults fp8 overlap watchdog")
+# Prints a summary line per part (its exit status, seconds and last result line) and exits
+# non-zero if any part failed; the fault part also writes $LOG/faults_summary.txt, one line per
+# case and variant: which limit ended each rank, after how long. TE_EP_PARTS (default "suite smoke soak perm faults fp8 overlap watchdog")
 # selects parts, e.g. to split the run across shorter commands.
 #   bash tests/gpu/run_all.sh --quick    # every path once: each nccl_ep mode x check mode on a few
 #                                        # cases (bf16 and FP8, eager, compiled and CUDA graph, their
@@ -47,11 +48,12 @@ run() {  # name, log file, command...
   local name=$1 log=$2
   shift 2
   echo "=== $name" | tee -a "$log"
+  local t0=$SECONDS
   "$@" >>"$log" 2>&1
   local rc=$?
   local last
   last=$(grep -E "^[0-9]+ passed, [0-9]+ failed|passed|failed" "$log" | tail -1)
-  summary+=("$(printf '%-44s rc=%-3s %s' "$name" "$rc" "$last")")
+  summary+=("$(printf '%-44s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$last")")
   [ $rc -eq 0 ] || status=1
 }
 CHECKS=${TE_EP_CHECKS:-local device synchronous}
@@ -96,7 +98,8 @@ if want faults; then
     for checks in $CHECKS; do
       run "faults W=$fw nccl_ep mode=$mode checks=$checks" "$LOG/faults.log" \
         timeout 1200 "$PY" -m tests.faults --backend nccl_ep --world-size $fw --nccl-ep-mode "$mode" \
-        --checks "$checks" -v $warmed ${TE_EP_FAULT_PG_TIMEOUT:+--pg-timeout $TE_EP_FAULT_PG_TIMEOUT} \
+        --checks "$checks" -v $warmed --summary "$LOG/faults_summary.txt" \
+        ${TE_EP_FAULT_PG_TIMEOUT:+--pg-timeout $TE_EP_FAULT_PG_TIMEOUT} \
         ${TE_EP_FAULT_CASES:+-k $TE_EP_FAULT_CASES}
       warmed="--no-warmup"
     done
@@ -111,4 +114,5 @@ want overlap && run "overlap GPU tests" "$LOG/overlap.log" \
 want watchdog && run "watchdog GPU tests" "$LOG/watchdog.log" timeout 900 "$PY" -m pytest -q tests/gpu/test_watchdog.py
 echo
 printf '%s\n' "${summary[@]}"
+echo "total ${SECONDS}s"
 exit $status
