@@ -567,10 +567,11 @@ def test_runner_does_not_read_nccl_ep_start_up_line_as_its_timeout(tmp_path):
 # ---------------------------------------------------------------------------
 # the command line
 # ---------------------------------------------------------------------------
-def test_command_line():
+def test_command_line(tmp_path):
+    summary = tmp_path / "summary.txt"
     proc = subprocess.run(
         [sys.executable, "-m", "tests.faults", "--backend", "reference", "--world-size", "2",
-         "-k", "handle_config_mismatch", "tokens_hidden"],
+         "-k", "handle_config_mismatch", "tokens_hidden", "--summary", str(summary)],
         cwd=_dist.REPO, env=_dist.subprocess_env(), capture_output=True, text=True, timeout=300,
     )
     out = proc.stdout + proc.stderr
@@ -578,6 +579,12 @@ def test_command_line():
     assert re.search(r"^handle_config_mismatch +reference +2 +r0 raised, r1 raised .* contract ", out, re.M), out
     assert re.search(r"^tokens_hidden_one_rank +reference +2 +r0 raised, r1 raised .* contract ", out, re.M), out
     assert "2 cases in" in out, out
+    # One line per case: which limit ended each rank, the verdict, and what the case cost.
+    lines = summary.read_text().splitlines()
+    assert [line.split(" ", 1)[0] for line in lines] == ["tokens_hidden_one_rank", "handle_config_mismatch"], lines
+    for line in lines:
+        assert re.search(r"\| r0: raised after [0-9.]+ s; r1: raised after [0-9.]+ s \| verdict contract "
+                         r"\| case [0-9]+\.[0-9] s$", line), line
 
 
 def test_command_line_one_rank():

@@ -70,7 +70,8 @@ def main(argv=None) -> int:
     ap.add_argument("--keep-logs", default="", metavar="DIR",
                     help="keep each case's rank stderr files under DIR/<case>.<variant>.<mode>.w<W>/")
     ap.add_argument("--summary", default="", metavar="FILE",
-                    help="append one line per case to FILE: which limit ended each rank, after how long")
+                    help="append one line per case to FILE: which limit ended each rank, after how long, the "
+                         "verdict and the case's own seconds (start of its processes to their end)")
     args = ap.parse_args(argv)
 
     if args.world_size < 1:
@@ -114,13 +115,15 @@ def main(argv=None) -> int:
     failures = []
     t_start = time.monotonic()
     for case in selected:
+        t_case = time.monotonic()
         result = run_case(case, config)
+        case_s = time.monotonic() - t_case  # processes started to processes gone: what selecting the case costs
         verdict, problems = judge(case, result)
         counts[verdict] = counts.get(verdict, 0) + 1
         print(table_row(result, verdict), flush=True)
         if args.summary:
             with open(args.summary, "a") as f:
-                f.write(f"{summary_line(result)} | verdict {verdict}\n")
+                f.write(f"{summary_line(result)} | verdict {verdict} | case {case_s:.1f} s\n")
         if args.verbose:
             print(describe(result), flush=True)
         if verdict in ("UNEXPECTED", "STALE"):
