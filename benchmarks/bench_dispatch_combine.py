@@ -102,6 +102,14 @@ is created, when NCCL EP reads it. Each new NCCL EP configuration compiles its
 kernels on first use. Rows and ratios are printed per shape as soon as it is
 done, and ``--csv`` is rewritten then (one line per variant and op).
 
+``--rounds R`` repeats the whole set of variants R times, each round building them afresh,
+every other round in the reverse order. Each number is then the median over the rounds of
+that round's median, and each ratio the median of the rounds' own ratios (two variants timed
+within one round, so a drift of the machine between the variants' turns cancels out); the
+lowest and highest ``x alone`` of the rounds are printed under the table. Between two runs of
+this script on 2 x H200 the same row moved by up to 2x; within a run, variants are timed one
+after the other. Use several rounds for a verdict on a ratio close to 1.
+
 ``--device cpu`` runs on gloo (reference and the baselines; the NCCL EP
 variants are skipped): it tests the script, its numbers mean nothing. NVLink
 multicast is never used: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -116,6 +124,7 @@ import argparse
 import contextlib
 import math
 import os
+import statistics
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -735,8 +744,28 @@ def run_shape(shape: Shape, args, world: int, rank: int, device: torch.device, c
     """(table rows, [(label, why)] of the variants that did not run)."""
     routing = make_routing(shape, rank, world, device)
     capacity = fit_capacity(routing, shape, world, args, device)
-    results, skipped = [], []
-    for spec in variant_specs(args):
+    volumes = torch.tensor([routing.recv_bytes, routing.recv_bytes_remote], dtype=torch.float64, device=device)
+    dist.all_reduce(volumes)
+    logical_bytes, remote_bytes = (float(v) / world for v in volumes.tolist())
+    rounds, skipped = [], {}
+    for i in range(args.rounds):
+        # Every other round runs the variants in the reverse order, so that a drift of the
+        # machine (clocks, other load) over a round weighs on every variant alike.
+        specs = variant_specs(args)
+        if i % 2:
+            specs.reverse()
+        if rank == 0 and args.rounds > 1:
+            print(f" round {i + 1} of {args.rounds}", flush=True)
+        results = run_variants(specs, shape, routing, capacity, args, world, rank, device, skipped)
+        rounds.append(table_rows(shape, results, logical_bytes, remote_bytes, copy_gbps))
+    return merge_rounds(rounds), list(skipped.items())
+
+
+def run_variants(specs: List[VariantSpec], shape: Shape, routing: Routing, capacity: int, args, world: int,
+                 rank: int, device: torch.device, skipped: Dict[str, str]) -> List["Result"]:
+    """Builds, measures and closes each variant in turn; the ones that did not run go to `skipped`."""
+    results = []
+    for spec in specs:
         variant, error, everywhere = on_every_rank(lambda: make_variant(spec, shape, routing, capacity, args, world))
         label = spec.row_label() if variant is None else variant.label
         if variant is not None:
@@ -750,7 +779,7 @@ def run_shape(shape: Shape, args, world: int, rank: int, device: torch.device, c
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if error:
-            skipped.append((label, error))
+            skipped.setdefault(label, error)
             if rank == 0:
                 print(f"  {label}: not run: {error}", flush=True)
             continue
@@ -759,10 +788,37 @@ def run_shape(shape: Shape, args, world: int, rank: int, device: torch.device, c
         if rank == 0:
             ms = "  ".join(f"{op} {t.ms:.3f}" for op, t in timings.items())
             print(f"  {label}: {ms} ms; check {check:.1e}", flush=True)
-    volumes = torch.tensor([routing.recv_bytes, routing.recv_bytes_remote], dtype=torch.float64, device=device)
-    dist.all_reduce(volumes)
-    logical_bytes, remote_bytes = (float(v) / world for v in volumes.tolist())
-    return table_rows(shape, results, logical_bytes, remote_bytes, copy_gbps), skipped
+    return results
+
+
+def merge_rounds(rounds: List[List[Dict]]) -> List[Dict]:
+    """One row per (shape, variant, op) from the rows of each round (``--rounds``).
+
+    Every number is the median over the rounds that have the row; a ratio (``x alone``,
+    ``x a2a``, ...) is so the median of each round's own ratio, of two variants timed in the
+    same round. The round trip's error is the largest of any round. ``rounds`` says how many
+    rounds had the row and ``x_alone_min`` / ``x_alone_max`` the range of its ``x alone``.
+    One round's rows are returned as they are, with ``rounds`` = 1.
+    """
+    merged: Dict[Tuple[str, str, str], List[Dict]] = {}
+    for rows in rounds:
+        for row in rows:
+            merged.setdefault((row["shape"], row["variant"], row["op"]), []).append(row)
+    out = []
+    for same in merged.values():
+        row = dict(same[0])
+        for key, value in row.items():
+            if key == "check_rel_err":
+                row[key] = max(r[key] for r in same)
+            elif isinstance(value, float):
+                values = [r[key] for r in same if not math.isnan(r[key])]
+                row[key] = statistics.median(values) if values else math.nan
+        alone = [r["x_alone"] for r in same if not math.isnan(r["x_alone"])]
+        row["x_alone_min"] = min(alone) if alone else math.nan
+        row["x_alone_max"] = max(alone) if alone else math.nan
+        row["rounds"] = len(same)
+        out.append(row)
+    return out
 
 
 def table_rows(shape: Shape, results: List[Result], logical_bytes: float, remote_bytes: float,
@@ -843,6 +899,12 @@ def print_table(rows: List[Dict], skipped: List[Tuple[str, str]]) -> None:
         print(f"  {label:<{width}} {'ok  ' if err <= tolerance else 'FAIL'} {err:.1e}")
     for label, reason in skipped:
         print(f"  {label:<{width}} not run: {reason}")
+    spread = [row for row in rows if row.get("rounds", 1) > 1 and not math.isnan(row["x_alone"])]
+    if spread:
+        print("x alone per round (median, lowest-highest of the rounds' own ratios):")
+        for row in spread:
+            print(f"  {row['variant']:<{width}} {row['op']:<12} {row['x_alone']:.2f} "
+                  f"({row['x_alone_min']:.2f}-{row['x_alone_max']:.2f}) over {row['rounds']} rounds")
 
 
 def nccl_ep_versions(args) -> List[str]:
@@ -885,13 +947,18 @@ def main() -> None:
                              "'Check modes')")
     parser.add_argument("--fp8", action="store_true",
                         help="also time each te_ep row with FP8 dispatch (te_ep-fp8/MODE rows, quantize included)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time every variant this many times, each round building them afresh and in the reverse "
+                             "order of the round before; each number is the median over the rounds, each ratio the "
+                             "median of the rounds' own ratios (see the module's docstring)")
     parser.add_argument("--csv", help="also write the rows to this CSV file (rank 0), rewritten after each shape")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after timing each variant, N more calls of each op under torch.profiler: rank 0 prints "
                              "the host calls and kernels behind each op (not part of the timed rows)")
     args = parser.parse_args()
-    if args.warmup < 0 or args.iters < 1 or args.profile < 0:
-        parser.error("--warmup must be >= 0, --iters >= 1 and --profile >= 0")
+    if args.warmup < 0 or args.iters < 1 or args.profile < 0 or args.rounds < 1:
+        parser.error(f"--warmup must be >= 0, --iters >= 1, --profile >= 0 and --rounds >= 1, got {args.warmup}, "
+                     f"{args.iters}, {args.profile} and {args.rounds}")
     if args.alignment < 1 or args.alignment & (args.alignment - 1):
         parser.error(f"--alignment must be a power of two, got {args.alignment}")
     for spec in args.nccl_ep_env or []:

@@ -1,0 +1,69 @@
+"""benchmarks/bench_dispatch_combine.py --rounds: how the rounds' rows become one table.
+
+A ratio to hold against a bar (te_ep / NCCL EP alone >= 0.97, issue 36) must not move with the
+machine's drift between the variants' turns: each round's ratio pairs two variants timed in that
+round, and the table gives the median of those ratios, not the ratio of the medians.
+"""
+
+import math
+import sys
+
+from _dist import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import bench_dispatch_combine as bench  # noqa: E402
+from _common import Timing  # noqa: E402
+
+SHAPE = bench.SHAPES["small"]
+TE_EP = bench.VariantSpec("nccl_ep", "zero_copy")
+ALONE = bench.VariantSpec("nccl_ep_alone", "zero_copy")
+
+
+def _round(te_ep_ms, alone_ms, check=1e-3):
+    """One round's table rows: te_ep and (unless alone_ms is None) NCCL EP alone, dispatch only."""
+    results = [
+        bench.Result(TE_EP.row_label(), "te_ep", "zero_copy", TE_EP, 100,
+                     {"dispatch": Timing(te_ep_ms, te_ep_ms / 2, te_ep_ms / 2)}, check),
+    ]
+    if alone_ms is not None:
+        results.append(bench.Result(ALONE.row_label(), "nccl.ep", "zero_copy", ALONE, 100,
+                                    {"dispatch": Timing(alone_ms, alone_ms / 2, alone_ms / 2)}, 1e-3))
+    return bench.table_rows(SHAPE, results, logical_bytes=1e9, remote_bytes=5e8, copy_gbps=None)
+
+
+def test_ratios_pair_the_variants_of_one_round():
+    # Each round's own ratio: 0.9, 1.0 and 0.2 (the machine slowed down during the second round's
+    # te_ep turn and sped up during the third round's NCCL EP turn). The table gives their median,
+    # 0.9; the ratio of the two medians (0.9 / 2.0 = 0.45) would mix turns of different rounds.
+    rounds = [_round(1.0, 0.9), _round(2.0, 2.0), _round(3.0, 0.6)]
+    rows = {row["variant"]: row for row in bench.merge_rounds(rounds)}
+    te_ep = rows[TE_EP.row_label()]
+    assert te_ep["rounds"] == 3
+    assert math.isclose(te_ep["ms"], 2.0) and math.isclose(te_ep["host_ms"], 1.0)
+    assert math.isclose(rows[ALONE.row_label()]["ms"], 0.9)
+    assert math.isclose(te_ep["x_alone"], 0.9)
+    assert math.isclose(te_ep["x_alone_min"], 0.2) and math.isclose(te_ep["x_alone_max"], 1.0)
+
+
+def test_range_and_worst_check_over_rounds():
+    rows = {row["variant"]: row for row in bench.merge_rounds(
+        [_round(1.0, 0.8), _round(1.0, 1.0, check=5e-3), _round(1.0, 0.95)])}
+    te_ep = rows[TE_EP.row_label()]
+    assert math.isclose(te_ep["x_alone"], 0.95)
+    assert (te_ep["x_alone_min"], te_ep["x_alone_max"]) == (0.8, 1.0)
+    assert te_ep["check_rel_err"] == 5e-3  # a round trip's error is the worst of any round
+    assert math.isnan(rows[ALONE.row_label()]["x_alone"])  # NCCL EP's own rows have no ratio to themselves
+
+
+def test_one_round_is_the_table_as_it_was():
+    rows = bench.merge_rounds([_round(1.0, 0.9)])
+    assert [row["rounds"] for row in rows] == [1, 1]
+    assert math.isclose(rows[0]["x_alone"], 0.9)
+
+
+def test_a_variant_missing_from_a_round_counts_its_own_rounds():
+    rows = {row["variant"]: row for row in bench.merge_rounds([_round(1.0, 0.9), _round(4.0, None)])}
+    assert rows[TE_EP.row_label()]["rounds"] == 2 and rows[ALONE.row_label()]["rounds"] == 1
+    assert math.isclose(rows[TE_EP.row_label()]["ms"], 2.5)
+    assert math.isclose(rows[TE_EP.row_label()]["x_alone"], 0.9)  # the round without NCCL EP has no ratio
