@@ -29,6 +29,9 @@ if [ "${1:-}" = "--quick" ]; then
 fi
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+# Stopped by a time limit or Ctrl-C, the script ends the running part's whole process tree
+# (torchrun's workers included) instead of leaving it on the GPUs.
+source tests/gpu/process_tree.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 LOG=${TE_EP_LOG_DIR:-gpu_logs}
@@ -49,7 +52,7 @@ run() {  # name, log file, command...
   shift 2
   echo "=== $name" | tee -a "$log"
   local t0=$SECONDS
-  "$@" >>"$log" 2>&1
+  run_in_tree "$@" >>"$log" 2>&1
   local rc=$?
   local last
   last=$(grep -E "^[0-9]+ passed, [0-9]+ failed|passed|failed" "$log" | tail -1)
