@@ -12,7 +12,9 @@
 # watchdog tests (one GPU: an nccl_ep op stalled behind a spinning kernel ends the process).
 # Prints a summary line per part (its exit status, seconds and last result line) and exits
 # non-zero if any part failed; the fault part also writes $LOG/faults_summary.txt, one line per
-# case and variant: which limit ended each rank, after how long. TE_EP_PARTS (default "suite smoke soak perm faults fp8 overlap watchdog")
+# case and variant: which limit ended each rank, after how long. Stopped (a caller's time limit,
+# Ctrl-C), it ends the running part with every process below it, torchrun's workers included
+# (tests/gpu/process_tree.sh), so a cut run leaves the GPUs free for the next. TE_EP_PARTS (default "suite smoke soak perm faults fp8 overlap watchdog")
 # selects parts, e.g. to split the run across shorter commands.
 #   bash tests/gpu/run_all.sh --quick    # every path once: each nccl_ep mode x check mode on a few
 #                                        # cases (bf16 and FP8, eager, compiled and CUDA graph, their
