@@ -106,9 +106,9 @@ done, and ``--csv`` is rewritten then (one line per variant and op).
 every other round in the reverse order. Each number is then the median over the rounds of
 that round's median, and each ratio the median of the rounds' own ratios (two variants timed
 within one round, so a drift of the machine between the variants' turns cancels out); the
-lowest and highest ``x alone`` of the rounds are printed under the table. Between two runs of
-this script on 2 x H200 the same row moved by up to 2x; within a run, variants are timed one
-after the other. Use several rounds for a verdict on a ratio close to 1.
+lowest and highest ``x alone`` of the rounds are printed under the table. Within a round the
+variants are timed one after the other, so use several rounds for a verdict on a ratio close to 1
+(docs/benchmarks.md).
 
 ``--device cpu`` runs on gloo (reference and the baselines; the NCCL EP
 variants are skipped): it tests the script, its numbers mean nothing. NVLink

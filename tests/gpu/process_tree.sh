@@ -6,7 +6,7 @@
 #   run_in_tree CMD...   runs CMD in the background and waits for it (a wait that a trapped
 #                        signal interrupts), returning its exit status
 #   stop_tree [PID]      TERM to every process below PID (default: this shell), all at once,
-#                        then KILL to those still alive 5 s later (TE_EP_STOP_GRACE_S)
+#                        then KILL to those still alive 5 s later
 
 # Every process below $1, deepest first (a parent's pid after its children's).
 descendants() {
@@ -18,13 +18,13 @@ descendants() {
 }
 
 stop_tree() {
-  local root=${1:-$$} grace=${TE_EP_STOP_GRACE_S:-5} pids alive pid
+  local root=${1:-$$} pids alive pid
   # The whole tree is listed before any signal: a torchrun that ends first would leave its
   # workers to init, out of reach of a later listing.
   pids=$(descendants "$root")
   [ -n "$pids" ] || return 0
   kill -TERM $pids 2>/dev/null
-  for _ in $(seq $((grace * 10))); do
+  for _ in $(seq 50); do  # 5 s for the processes to end on TERM
     alive=""
     for pid in $pids; do kill -0 "$pid" 2>/dev/null && alive="$alive $pid"; done
     [ -n "$alive" ] || return 0

@@ -14,8 +14,9 @@
 # non-zero if any part failed; the fault part also writes $LOG/faults_summary.txt, one line per
 # case and variant: which limit ended each rank, after how long. Stopped (a caller's time limit,
 # Ctrl-C), it ends the running part with every process below it, torchrun's workers included
-# (tests/gpu/process_tree.sh), so a cut run leaves the GPUs free for the next. TE_EP_PARTS (default "suite smoke soak perm faults fp8 overlap watchdog")
-# selects parts, e.g. to split the run across shorter commands.
+# (tests/gpu/process_tree.sh), so a cut run leaves the GPUs free for the next.
+# TE_EP_PARTS (default "suite smoke soak perm faults fp8 overlap watchdog") selects parts, e.g. to
+# split the run across shorter commands.
 #   bash tests/gpu/run_all.sh --quick    # every path once: each nccl_ep mode x check mode on a few
 #                                        # cases (bf16 and FP8, eager, compiled and CUDA graph, their
 #                                        # errors), the smoke test, a few fault cases at a 10 s process-
