@@ -89,22 +89,29 @@ class Timing(NamedTuple):
     queued_ms: float  # the call issued behind a QUEUE_AHEAD_MS spin, timed from the spin's end: its GPU time
 
 
-def _events_ms(fn: Callable[[], object], device: torch.device, queued: bool) -> Tuple[float, float]:
-    """(CUDA events around one call of fn, wall time of the call on the host)."""
+def _events_ms(fn: Callable[[], object], device: torch.device, queued: bool,
+               nvtx: Optional[str] = None) -> Tuple[float, float]:
+    """(CUDA events around one call of fn, wall time of the call on the host); ``nvtx``: the
+    name of an NVTX range around the call (" queued" appended when queued)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     if queued:
         _spin(QUEUE_AHEAD_MS, device)
     start.record()
+    if nvtx is not None:
+        torch.cuda.nvtx.range_push(nvtx + (" queued" if queued else ""))
     t0 = time.perf_counter()
     fn()
     host = (time.perf_counter() - t0) * 1e3
+    if nvtx is not None:
+        torch.cuda.nvtx.range_pop()
     end.record()
     end.synchronize()
     return start.elapsed_time(end), host
 
 
 def median_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: int, *, ranks: bool,
-              before: Optional[Callable[[], object]] = None, idle: bool = True, queued: bool = False) -> Timing:
+              before: Optional[Callable[[], object]] = None, idle: bool = True, queued: bool = False,
+              nvtx: Optional[str] = None) -> Timing:
     """Medians of `iters` timed calls of fn, after `warmup` untimed ones.
 
     `before` runs ahead of every call, outside the timed region (inputs in place,
@@ -112,7 +119,7 @@ def median_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters
     on a GPU, `idle` asks for ``ms`` and ``host_ms`` and `queued` for
     ``queued_ms`` (fields not asked for are nan), each from a call of its own.
     ``ranks``: every call starts after a barrier and each median is the slowest
-    rank's.
+    rank's. ``nvtx``: each timed call on a GPU inside an NVTX range of that name.
     """
     for _ in range(warmup):
         if before is not None:
@@ -142,12 +149,12 @@ def median_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters
             continue
         if idle:
             ready()
-            gpu, on_host = _events_ms(fn, device, queued=False)
+            gpu, on_host = _events_ms(fn, device, queued=False, nvtx=nvtx)
             times.append(gpu)
             host.append(on_host)
         if queued:
             ready()
-            queued_times.append(_events_ms(fn, device, queued=True)[0])
+            queued_times.append(_events_ms(fn, device, queued=True, nvtx=nvtx)[0])
     medians = [statistics.median(v) if v else math.nan for v in (times, host, queued_times)]
     if ranks:
         result = torch.tensor(medians, dtype=torch.float64, device=device)

@@ -220,10 +220,11 @@ class Op:
             self.setup()
         return self.fn()
 
-    def time(self, args, device: torch.device) -> Timing:
-        """Its device, host and queued times (_common.median_ms), every iteration barrier-aligned."""
+    def time(self, args, device: torch.device, label: str = "") -> Timing:
+        """Its device, host and queued times (_common.median_ms), every iteration barrier-aligned;
+        with ``--nvtx``, each timed call inside an NVTX range named ``label``."""
         return _common.median_ms(self.fn, device, args.warmup, args.iters, ranks=True, before=self.setup,
-                                 queued=True)
+                                 queued=True, nvtx=label if args.nvtx else None)
 
 
 def peer_copy_gbps(device: torch.device, nbytes: int = 1 << 30, iters: int = 10) -> Optional[float]:
@@ -677,7 +678,7 @@ def measure(variant: Variant, routing: Routing, shape: Shape, args, device: torc
     ops = variant.ops()
     error = max(roundtrip_error(op, routing, shape.top_k, device) for name, op in ops.items()
                 if name.startswith("combine"))
-    timings = {name: op.time(args, device) for name, op in ops.items()}
+    timings = {name: op.time(args, device, f"{variant.label} {name}") for name, op in ops.items()}
     if args.profile:
         profile_ops(variant.label, ops, args.profile, device)
     return timings, error
@@ -952,6 +953,9 @@ def main() -> None:
                              "order of the round before; each number is the median over the rounds, each ratio the "
                              "median of the rounds' own ratios (see the module's docstring)")
     parser.add_argument("--csv", help="also write the rows to this CSV file (rank 0), rewritten after each shape")
+    parser.add_argument("--nvtx", action="store_true",
+                        help="name each timed call with an NVTX range '<variant> <op>' (for nsys: the host calls "
+                             "inside an op's range are that op's)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after timing each variant, N more calls of each op under torch.profiler: rank 0 prints "
                              "the host calls and kernels behind each op (not part of the timed rows)")

@@ -1,4 +1,5 @@
-"""benchmarks/bench_dispatch_combine.py --rounds: how the rounds' rows become one table.
+"""benchmarks/bench_dispatch_combine.py --rounds: how the rounds' rows become one table
+(and --nvtx: which name each timed call's NVTX range gets).
 
 A ratio to hold against a bar (te_ep / NCCL EP alone >= 0.97, issue 36) must not move with the
 machine's drift between the variants' turns: each round's ratio pairs two variants timed in that
@@ -67,3 +68,14 @@ def test_a_variant_missing_from_a_round_counts_its_own_rounds():
     assert rows[TE_EP.row_label()]["rounds"] == 2 and rows[ALONE.row_label()]["rounds"] == 1
     assert math.isclose(rows[TE_EP.row_label()]["ms"], 2.5)
     assert math.isclose(rows[TE_EP.row_label()]["x_alone"], 0.9)  # the round without NCCL EP has no ratio
+
+
+def test_nvtx_names_each_timed_call_only_when_asked(monkeypatch):
+    # With --nvtx, nsys attributes the host calls inside a range to '<variant> <op>'.
+    seen = []
+    monkeypatch.setattr(bench._common, "median_ms", lambda *a, **kw: seen.append(kw["nvtx"]) or Timing(1, 1, 1))
+    op = bench.Op(lambda: None)
+    for nvtx in (True, False):
+        args = bench.argparse.Namespace(warmup=0, iters=1, nvtx=nvtx)
+        op.time(args, bench.torch.device("cpu"), "te_ep/zero_copy dispatch")
+    assert seen == ["te_ep/zero_copy dispatch", None]

@@ -8,7 +8,8 @@ inside a watched op of a real handle for a given time: a stalled op as the watch
 The handle is a reference-backend handle on a one-rank gloo group whose timeout is the limit,
 so the test also covers how the limit gets there (the process group's timeout, through
 EpGroup) and how the op is named. Each case runs in a fresh interpreter (the action is read
-once per process); the three run side by side.
+once per process); the three run side by side. So do the interpreters that check how
+``TE_EP_WATCHDOG`` picks the action, and that any other value is an error naming it.
 """
 
 from __future__ import annotations
@@ -91,3 +92,28 @@ def test_watchdog_ends_a_stalled_op_and_spares_a_short_one():
     code, out, err, said, _ = _finish(off)
     assert code == 0 and not said and "te_ep watchdog" not in err, (code, out, err[-3000:])
     assert "('off', 0, 0)" in out, out
+
+
+def test_watchdog_state_op_reports_the_action():
+    from te_ep_torch import ops
+
+    action, pending, fired = ops.watchdog_state()
+    assert action in ("exit", "warn", "off")
+    assert pending >= 0 and fired >= 0
+
+
+def test_action_follows_the_env_and_a_bad_value_is_named():
+    # TE_EP_WATCHDOG is read once per process: one fresh interpreter per value, side by side.
+    code = "from te_ep_torch import ops; print(ops.watchdog_state())"
+    expected = {"": "exit", "exit": "exit", "warn": "warn", "off": "off", "0": "off", "sometimes": None}
+    procs = {value: subprocess.Popen([sys.executable, "-c", code], env=subprocess_env(TE_EP_WATCHDOG=value),
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for value in expected}
+    for value, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        if expected[value] is None:
+            assert proc.returncode != 0, out
+            assert f"TE_EP_WATCHDOG must be 'exit' (the default), 'warn' or 'off', got '{value}'" in err, err[-3000:]
+        else:
+            assert proc.returncode == 0, (value, err[-3000:])
+            assert out.strip() == f"('{expected[value]}', 0, 0)", (value, out)

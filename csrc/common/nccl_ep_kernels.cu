@@ -31,8 +31,13 @@ void check_launch(const char* kernel) {
 
 constexpr int kWarp = 32;
 
+__device__ void publish_row(CheckScan* scan, int64_t top_k, int64_t rank, int64_t world, int32_t op, int32_t handle,
+                            bool argument_error, int32_t* record);
+__device__ bool keep_verdict(const int32_t* record, int64_t world, bool poison, CheckScan* scan, int32_t* sticky,
+                             int64_t step);
+
 __global__ void finish_prepare_kernel(HandleState* state, int32_t* counts, int64_t num_local_experts,
-                                      int32_t* total_out, int64_t capacity, CheckScan* scan) {
+                                      int32_t* total_out, int64_t capacity, CheckScan* scan, LocalVerdict local) {
   int64_t sum = 0;
   for (int64_t e = threadIdx.x; e < num_local_experts; e += kWarp) sum += counts[e];
   for (int offset = kWarp / 2; offset > 0; offset /= 2) sum += __shfl_down_sync(0xffffffffu, sum, offset);
@@ -55,6 +60,10 @@ __global__ void finish_prepare_kernel(HandleState* state, int32_t* counts, int64
   }
   state->total = static_cast<int32_t>(total);
   total_out[0] = static_cast<int32_t>(total);
+  if (local.record == nullptr) return;
+  // The local mode's agreement of one rank, in the same launch.
+  publish_row(scan, local.top_k, 0, 1, kOpPrepare, local.handle, false, local.record);
+  (void)keep_verdict(local.record, 1, false, scan, local.sticky, local.step);
 }
 
 __global__ void zero_unused_rows_kernel(const HandleState* state, uint4* rows, int64_t vecs_per_row, float* weights,
@@ -156,8 +165,8 @@ __global__ void check_routing_kernel(const Index* idx, Index* idx_out, int64_t n
   unrouted[token] = none;
 }
 
-__global__ void publish_row_kernel(CheckScan* scan, int64_t top_k, int64_t rank, int64_t world, int32_t op,
-                                   int32_t handle, bool argument_error, int32_t* record) {
+__device__ void publish_row(CheckScan* scan, int64_t top_k, int64_t rank, int64_t world, int32_t op, int32_t handle,
+                            bool argument_error, int32_t* record) {
   for (int64_t i = 0; i < world * kRecordInts; ++i) record[i] = 0;
   int32_t* mine = record + rank * kRecordInts;
   mine[kRecordBits] = scan->bits | (argument_error ? kBitArgument : 0);
@@ -175,6 +184,11 @@ __global__ void publish_row_kernel(CheckScan* scan, int64_t top_k, int64_t rank,
   scan->first = 0;
 }
 
+__global__ void publish_row_kernel(CheckScan* scan, int64_t top_k, int64_t rank, int64_t world, int32_t op,
+                                   int32_t handle, bool argument_error, int32_t* record) {
+  publish_row(scan, top_k, rank, world, op, handle, argument_error, record);
+}
+
 __device__ bool record_failed(const int32_t* record, int64_t world) {
   for (int64_t r = 0; r < world; ++r) {
     const int32_t* row = record + r * kRecordInts;
@@ -185,9 +199,26 @@ __device__ bool record_failed(const int32_t* record, int64_t world) {
   return false;
 }
 
+// One thread: whether the record says the step failed; if so, poisons the
+// step (`poison`) and keeps the record and its `step` in `sticky` unless an
+// earlier one is kept. `sticky` is mapped host memory: the flag the host reads
+// goes last, behind a system-wide fence.
+__device__ bool keep_verdict(const int32_t* record, int64_t world, bool poison, CheckScan* scan, int32_t* sticky,
+                             int64_t step) {
+  if (!record_failed(record, world)) return false;
+  if (poison) scan->poisoned = 1;
+  volatile int32_t* kept = sticky;
+  if (kept[kStickyFlag] != 0) return true;
+  kept[kStickyStep] = static_cast<int32_t>(step);
+  for (int64_t i = 0; i < world * kRecordInts; ++i) kept[kStickyRows + i] = record[i];
+  __threadfence_system();
+  kept[kStickyFlag] = 1;
+  return true;
+}
+
 template <typename Index>
 __global__ void apply_verdict_kernel(const int32_t* record, int64_t world, bool poison, CheckScan* scan, Index* idx,
-                                     int64_t n, int32_t* sticky) {
+                                     int64_t n, int32_t* sticky, int64_t step) {
   if (!record_failed(record, world)) return;
   if (poison && idx != nullptr) {
     const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -196,10 +227,7 @@ __global__ void apply_verdict_kernel(const int32_t* record, int64_t world, bool 
     }
   }
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
-  if (poison) scan->poisoned = 1;
-  if (sticky[0] != 0) return;
-  sticky[0] = 1;
-  for (int64_t i = 0; i < world * kRecordInts; ++i) sticky[1 + i] = record[i];
+  (void)keep_verdict(record, world, poison, scan, sticky, step);
 }
 
 __global__ void zero_if_poisoned_kernel(const CheckScan* scan, uint4* data, int64_t vecs, int64_t tail_bytes) {
@@ -223,8 +251,11 @@ int zero_fill_blocks(int64_t work_items) {
 }  // namespace
 
 void launch_finish_prepare(HandleState* state, int32_t* expert_counts, int64_t num_local_experts, int32_t* total_out,
-                           int64_t capacity, CheckScan* scan, cudaStream_t stream) {
-  finish_prepare_kernel<<<1, kWarp, 0, stream>>>(state, expert_counts, num_local_experts, total_out, capacity, scan);
+                           int64_t capacity, CheckScan* scan, const LocalVerdict& local, cudaStream_t stream) {
+  LocalVerdict verdict = local;
+  verdict.top_k = std::max<int64_t>(verdict.top_k, 1);
+  finish_prepare_kernel<<<1, kWarp, 0, stream>>>(state, expert_counts, num_local_experts, total_out, capacity, scan,
+                                                 verdict);
   check_launch("finish_prepare_kernel");
 }
 
@@ -291,14 +322,14 @@ void launch_publish_row(CheckScan* scan, int64_t top_k, int64_t rank, int64_t wo
 }
 
 void launch_apply_verdict(const int32_t* record, int64_t world, bool poison, CheckScan* scan, void* idx, bool is_int64,
-                          int64_t n, int32_t* sticky, cudaStream_t stream) {
+                          int64_t n, int32_t* sticky, int64_t step, cudaStream_t stream) {
   const int blocks = idx == nullptr ? 1 : zero_fill_blocks(std::max<int64_t>(n, 1));
   if (is_int64) {
     apply_verdict_kernel<int64_t><<<blocks, 256, 0, stream>>>(record, world, poison, scan, static_cast<int64_t*>(idx),
-                                                              n, sticky);
+                                                              n, sticky, step);
   } else {
     apply_verdict_kernel<int32_t><<<blocks, 256, 0, stream>>>(record, world, poison, scan, static_cast<int32_t*>(idx),
-                                                              n, sticky);
+                                                              n, sticky, step);
   }
   check_launch("apply_verdict_kernel");
 }

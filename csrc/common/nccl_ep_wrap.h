@@ -238,8 +238,10 @@ enum OpCode : int32_t {
   kOpDispatchBwd = 5,
   kOpCombineBwd = 6,
 };
-// A kept record: a flag (set by the first failing step), then W rows.
-inline int64_t sticky_ints(int64_t world) { return 1 + world * kRecordInts; }
+// A kept record: a flag (set by the first failing step), the number of the
+// step (the handle's prepares so far, counted on the host), then W rows.
+enum StickyField : int { kStickyFlag = 0, kStickyStep = 1, kStickyRows = 2 };
+inline int64_t sticky_ints(int64_t world) { return kStickyRows + world * kRecordInts; }
 
 // The one detection kernel of every check mode: copies topk_idx [num_tokens,
 // top_k] to idx_out with every choice out of range ([-1, E)) or repeating an
@@ -256,22 +258,36 @@ void launch_publish_row(CheckScan* scan, int64_t top_k, int64_t rank, int64_t wo
                         bool argument_error, int32_t* record, cudaStream_t stream);
 
 // The verdict on a record: a step failed when a row has bits set or two rows
-// name different ops or handles. Then the first failing step's record is kept
-// in `sticky` ([sticky_ints(world)]), and with `poison` the step's outputs are zeroed from now on
+// name different ops or handles. Then the first failing step's record and
+// `step` are kept in `sticky` ([sticky_ints(world)], mapped host memory that
+// the host reads without a copy: the flag is written last), and with `poison` the step's outputs are zeroed from now on
 // (scan->poisoned) and the `n` ids of idx (if given) become -1, so every rank
 // sends nothing.
 void launch_apply_verdict(const int32_t* record, int64_t world, bool poison, CheckScan* scan, void* idx, bool is_int64,
-                          int64_t n, int32_t* sticky, cudaStream_t stream);
+                          int64_t n, int32_t* sticky, int64_t step, cudaStream_t stream);
 
 // Zeroes `bytes` at `ptr` (16-byte aligned) if the step is poisoned.
 void launch_zero_if_poisoned(const CheckScan* scan, void* ptr, int64_t bytes, cudaStream_t stream);
 
+// The local check mode's agreement of one rank, run by launch_finish_prepare
+// in its own launch: launch_publish_row(scan, top_k, 0, 1, kOpPrepare,
+// handle, false, record) and launch_apply_verdict(record, 1, false, scan,
+// nullptr, ..., sticky, step). A null `record`: none (the other modes agree
+// after).
+struct LocalVerdict {
+  int32_t* record = nullptr;
+  int32_t* sticky = nullptr;
+  int64_t top_k = 1;
+  int32_t handle = 0;
+  int64_t step = 0;
+};
+
 // After ncclEpUpdateHandle: records an overflow in `scan`, writes the rows in
 // use to state->total and total_out, and clips expert_counts so that their
 // prefix sums stay within capacity (keeps a grouped GEMM in bounds on an
-// overflowing step).
+// overflowing step); then `local`'s agreement, if any.
 void launch_finish_prepare(HandleState* state, int32_t* expert_counts, int64_t num_local_experts, int32_t* total_out,
-                           int64_t capacity, CheckScan* scan, cudaStream_t stream);
+                           int64_t capacity, CheckScan* scan, const LocalVerdict& local, cudaStream_t stream);
 
 // Zeroes rows [state->total, end) of `rows` (row_bytes each, a multiple of
 // 16) and [state->total, capacity) of recv_weights when given. `end` is

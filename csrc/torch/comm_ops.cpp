@@ -109,11 +109,13 @@ constexpr int64_t kDefaultWatchdogMs = 10 * 60 * 1000;
 
 std::unique_ptr<watchdog::Op> enter_watched_op(const HandleConfig& cfg, const char* op, int64_t handle_id) {
   if (watchdog::action() == watchdog::Action::kOff) return nullptr;
-  std::ostringstream what;
-  what << "te_ep." << op;
-  if (handle_id >= 0) what << " on handle " << handle_id;
-  what << " of group '" << cfg.group_name << "' (rank " << cfg.rank << " of " << cfg.ep_size << ")";
-  return watchdog::Op::enter(cfg.timeout_ms > 0 ? cfg.timeout_ms : kDefaultWatchdogMs, what.str());
+  // Built on every op: plain appends, no stream.
+  std::string what = "te_ep.";
+  what += op;
+  if (handle_id >= 0) what += " on handle " + std::to_string(handle_id);
+  what += " of group '" + cfg.group_name + "' (rank " + std::to_string(cfg.rank) + " of " +
+          std::to_string(cfg.ep_size) + ")";
+  return watchdog::Op::enter(cfg.timeout_ms > 0 ? cfg.timeout_ms : kDefaultWatchdogMs, std::move(what));
 }
 
 namespace {

@@ -302,16 +302,16 @@ class NcclEpBackend final : public Backend {
     require_handle("prepare");
     c10::cuda::CUDAGuard guard(cfg_.device);
     cudaStream_t stream = current_stream();
-    const at::Tensor idx = checks_.check_routing(topk_idx.contiguous(), unrouted(), stream);
+    const bool capturing = stream_is_capturing(stream);
+    const at::Tensor idx = checks_.check_routing(topk_idx.contiguous(), unrouted(), stream, capturing);
     const int64_t num_tokens = idx.size(0);
     const auto int_options = at::TensorOptions().dtype(at::kInt).device(cfg_.device);
     at::Tensor expert_counts = at::empty({cfg_.num_local_experts()}, int_options);
     at::Tensor total = at::empty({1}, int_options);
     handle_->update(idx.data_ptr(), to_dtype(idx.scalar_type()), num_tokens, idx.size(1),
                     expert_counts.data_ptr<int32_t>(), cfg_.num_local_experts(), &state()->recv_total_raw, stream);
-    ne::launch_finish_prepare(state(), expert_counts.data_ptr<int32_t>(), cfg_.num_local_experts(),
-                              total.data_ptr<int32_t>(), cfg_.capacity, checks_.scan(), stream);
-    checks_.check_overflow(stream);
+    checks_.finish_prepare(state(), expert_counts.data_ptr<int32_t>(), cfg_.num_local_experts(),
+                           total.data_ptr<int32_t>(), stream, capturing);
     prepared_num_tokens_ = num_tokens;
     return {expert_counts, total};
   }

@@ -6,9 +6,11 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <atomic>
 #include <climits>
 #include <cstring>
 #include <sstream>
+#include <vector>
 
 namespace te_ep {
 
@@ -39,17 +41,17 @@ std::string op_name(int32_t code) {
   }
 }
 
-bool is_capturing(cudaStream_t stream) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
-  return status != cudaStreamCaptureStatusNone;
-}
-
 cudaStream_t current_stream(const HandleConfig& cfg) {
   return at::cuda::getCurrentCUDAStream(cfg.device.index()).stream();
 }
 
 }  // namespace
+
+bool stream_is_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  return status != cudaStreamCaptureStatusNone;
+}
 
 NcclEpChecks::NcclEpChecks(const HandleConfig& cfg, std::shared_ptr<ne::Communicator> comm)
     : cfg_(cfg), mode_(cfg.checks), comm_(std::move(comm)) {
@@ -58,21 +60,27 @@ NcclEpChecks::NcclEpChecks(const HandleConfig& cfg, std::shared_ptr<ne::Communic
   scan_ = at::zeros({static_cast<int64_t>(sizeof(ne::CheckScan) / sizeof(int32_t))}, ints);
   if (mode_ == Checks::kSynchronous) return;
   record_ = at::zeros({cfg_.ep_size * ne::kRecordInts}, ints);
-  sticky_ = at::zeros({ne::sticky_ints(cfg_.ep_size)}, ints);
-  sticky_host_ = at::zeros({ne::sticky_ints(cfg_.ep_size)}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
-  C10_CUDA_CHECK(cudaEventCreateWithFlags(&copied_, cudaEventDisableTiming));
+  const size_t sticky_bytes = static_cast<size_t>(ne::sticky_ints(cfg_.ep_size)) * sizeof(int32_t);
+  void* sticky = nullptr;
+  C10_CUDA_CHECK(cudaHostAlloc(&sticky, sticky_bytes, cudaHostAllocMapped | cudaHostAllocPortable));
+  std::memset(sticky, 0, sticky_bytes);
+  sticky_ = static_cast<int32_t*>(sticky);
+  void* on_device = nullptr;
+  C10_CUDA_CHECK(cudaHostGetDevicePointer(&on_device, sticky, 0));
+  sticky_device_ = static_cast<int32_t*>(on_device);
+  if (mode_ == Checks::kDevice) C10_CUDA_CHECK(cudaEventCreateWithFlags(&verdict_done_, cudaEventDisableTiming));
 }
 
 NcclEpChecks::~NcclEpChecks() {
-  if (copied_ != nullptr) cudaEventDestroy(copied_);
+  if (verdict_done_ != nullptr) cudaEventDestroy(verdict_done_);
+  if (sticky_ != nullptr) cudaFreeHost(sticky_);
 }
 
 void NcclEpChecks::leak_at_exit() {
   new at::Tensor(std::move(scan_));
   new at::Tensor(std::move(record_));
-  new at::Tensor(std::move(sticky_));
-  new at::Tensor(std::move(sticky_host_));
-  copied_ = nullptr;
+  sticky_ = nullptr;
+  verdict_done_ = nullptr;
 }
 
 bool NcclEpChecks::agree_on_arguments(const char* op, const std::string& error) {
@@ -101,8 +109,7 @@ bool NcclEpChecks::agree_on_arguments(const char* op, const std::string& error) 
   return failed_here_;
 }
 
-at::Tensor NcclEpChecks::check_routing(const at::Tensor& idx, uint8_t* unrouted, cudaStream_t stream) {
-  const bool capturing = is_capturing(stream);
+at::Tensor NcclEpChecks::check_routing(const at::Tensor& idx, uint8_t* unrouted, cudaStream_t stream, bool capturing) {
   TORCH_CHECK(!(capturing && mode_ == Checks::kSynchronous), "te_ep.prepare: checks='synchronous' waits for the GPU "
               "in every op and cannot run under CUDA graph capture; create the handle with checks='device' or 'local'");
   // This step's argument error goes with the step: an earlier error raised
@@ -110,8 +117,14 @@ at::Tensor NcclEpChecks::check_routing(const at::Tensor& idx, uint8_t* unrouted,
   const bool argument_error = prepare_failed_;
   prepare_failed_ = false;
   if (!capturing && mode_ != Checks::kSynchronous) raise_due(/*wait=*/mode_ == Checks::kDevice);
+  ++steps_;
   failed_here_ = argument_error;
-  C10_CUDA_CHECK(cudaMemsetAsync(scan_.data_ptr(), 0, scan_.nbytes(), stream));
+  // The local mode's verdict resets the scan; the device mode's poisoned flag
+  // and the synchronous mode's findings are reset here.
+  if (mode_ != Checks::kLocal || scan_dirty_) {
+    C10_CUDA_CHECK(cudaMemsetAsync(scan_.data_ptr(), 0, scan_.nbytes(), stream));
+  }
+  scan_dirty_ = true;
   at::Tensor out = at::empty_like(idx);
   ne::launch_check_routing(idx.data_ptr(), out.data_ptr(), idx.scalar_type() == at::kLong, idx.size(0), idx.size(1),
                            cfg_.num_experts, scan(), unrouted, stream);
@@ -123,14 +136,31 @@ at::Tensor NcclEpChecks::check_routing(const at::Tensor& idx, uint8_t* unrouted,
   return out;
 }
 
-void NcclEpChecks::check_overflow(cudaStream_t stream) {
+void NcclEpChecks::finish_prepare(ne::HandleState* state, int32_t* expert_counts, int64_t num_local_experts,
+                                  int32_t* total_out, cudaStream_t stream, bool capturing) {
+  ne::LocalVerdict local;
+  if (mode_ == Checks::kLocal) {
+    // The local mode's verdict covers the routing and the overflow of the step.
+    local.record = record_.data_ptr<int32_t>();
+    local.sticky = sticky_device_;
+    local.top_k = cfg_.top_k;
+    local.handle = static_cast<int32_t>(cfg_.seq);
+    local.step = steps_;
+  }
+  ne::launch_finish_prepare(state, expert_counts, num_local_experts, total_out, cfg_.capacity, scan(), local, stream);
+  if (mode_ == Checks::kLocal) {
+    scan_dirty_ = false;
+    return;
+  }
   if (mode_ == Checks::kSynchronous) {
     agree_on_scan_now(stream);
     return;
   }
-  // The local mode's verdict covers the routing and the overflow of the step.
   agree_on_device(ne::kOpPrepare, false, nullptr, stream);
-  if (!is_capturing(stream)) snapshot_to_host(stream);
+  if (!capturing) {
+    C10_CUDA_CHECK(cudaEventRecord(verdict_done_, stream));
+    verdict_pending_ = true;
+  }
 }
 
 void NcclEpChecks::agree_on_device(int32_t op, bool argument_error, const at::Tensor* idx, cudaStream_t stream) {
@@ -143,7 +173,7 @@ void NcclEpChecks::agree_on_device(int32_t op, bool argument_error, const at::Te
   if (agreed) comm_->all_reduce_sum(record, static_cast<size_t>(rows * ne::kRecordInts), stream);
   ne::launch_apply_verdict(record, rows, agreed, scan(), idx != nullptr ? idx->data_ptr() : nullptr,
                            idx != nullptr && idx->scalar_type() == at::kLong, idx != nullptr ? idx->numel() : 0,
-                           sticky_.data_ptr<int32_t>(), stream);
+                           sticky_device_, steps_, stream);
 }
 
 void NcclEpChecks::agree_on_scan_now(cudaStream_t stream) {
@@ -165,41 +195,43 @@ void NcclEpChecks::agree_on_scan_now(cudaStream_t stream) {
   agree_on_host(cfg_, "prepare", error);
 }
 
-void NcclEpChecks::snapshot_to_host(cudaStream_t stream) {
-  C10_CUDA_CHECK(cudaMemcpyAsync(sticky_host_.data_ptr(), sticky_.data_ptr(), sticky_.nbytes(),
-                                 cudaMemcpyDeviceToHost, stream));
-  C10_CUDA_CHECK(cudaEventRecord(copied_, stream));
-  copy_pending_ = true;
-}
-
 void NcclEpChecks::raise_due(bool wait) {
-  if (!copy_pending_) return;
-  if (wait) {
-    C10_CUDA_CHECK(cudaEventSynchronize(copied_));
-  } else {
-    const cudaError_t ready = cudaEventQuery(copied_);
-    if (ready == cudaErrorNotReady) {
-      (void)cudaGetLastError();
-      return;
-    }
-    C10_CUDA_CHECK(ready);
+  // Written by the GPU: the flag is read first, the rest only once it is set.
+  const volatile int32_t* kept = sticky_;
+  if (wait && verdict_pending_) {
+    // The last prepare's verdict is in; the ops of its step that came after
+    // it may have run on one rank's GPU and not yet on another's, so their
+    // record waits for the next prepare: every rank raises in the same one.
+    C10_CUDA_CHECK(cudaEventSynchronize(verdict_done_));
+    verdict_pending_ = false;
+    if (kept[ne::kStickyFlag] == 0) return;
+    std::atomic_thread_fence(std::memory_order_acquire);
+    const int64_t step = kept[ne::kStickyStep];
+    const bool by_prepare = kept[ne::kStickyRows + cfg_.rank * ne::kRecordInts + ne::kRecordOp] == ne::kOpPrepare;
+    if (step == static_cast<int32_t>(steps_) && !by_prepare) return;
   }
-  copy_pending_ = false;
-  const int32_t* host = sticky_host_.data_ptr<int32_t>();
-  if (host[0] == 0) return;
-  const std::string text = message(host + 1);
+  if (kept[ne::kStickyFlag] == 0) return;
+  std::atomic_thread_fence(std::memory_order_acquire);
+  const int64_t ints = ne::sticky_ints(cfg_.ep_size);
+  std::vector<int32_t> record(static_cast<size_t>(ints - ne::kStickyRows));
+  for (int64_t i = ne::kStickyRows; i < ints; ++i) record[static_cast<size_t>(i - ne::kStickyRows)] = kept[i];
+  const std::string text = message(record.data());
   own_error_.clear();
-  std::memset(sticky_host_.data_ptr(), 0, sticky_host_.nbytes());
-  C10_CUDA_CHECK(cudaMemsetAsync(sticky_.data_ptr(), 0, sticky_.nbytes(), current_stream(cfg_)));
+  // The flag last: a verdict kernel keeps a new record only once it is clear.
+  volatile int32_t* clear = sticky_;
+  for (int64_t i = 1; i < ints; ++i) clear[i] = 0;
+  std::atomic_thread_fence(std::memory_order_release);
+  clear[ne::kStickyFlag] = 0;
   TORCH_CHECK(false, text);
 }
 
 void NcclEpChecks::raise_pending(cudaStream_t stream) {
   if (mode_ == Checks::kSynchronous) return;  // raised in the op itself
-  TORCH_CHECK(!is_capturing(stream), "te_ep: EpHandle.check() waits for the GPU and cannot run under CUDA graph "
-              "capture; call it after the graph's replay");
-  snapshot_to_host(stream);
-  raise_due(/*wait=*/true);
+  TORCH_CHECK(!stream_is_capturing(stream), "te_ep: EpHandle.check() waits for the GPU and cannot run under CUDA "
+              "graph capture; call it after the graph's replay");
+  C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+  verdict_pending_ = false;
+  raise_due(/*wait=*/false);
 }
 
 void NcclEpChecks::zero_if_poisoned(std::initializer_list<at::Tensor> outputs, cudaStream_t stream) {

@@ -28,6 +28,9 @@
 
 namespace te_ep {
 
+// Whether `stream` is capturing a CUDA graph.
+bool stream_is_capturing(cudaStream_t stream);
+
 class NcclEpChecks {
  public:
   NcclEpChecks(const HandleConfig& cfg, std::shared_ptr<nccl_ep::Communicator> comm);
@@ -46,9 +49,14 @@ class NcclEpChecks {
   // prepare, before NCCL EP sees the routing `idx`: raises what an earlier
   // step recorded and is due now, runs the detection kernel (writing
   // `unrouted`) and agrees on its finding. Returns the ids NCCL EP gets.
-  at::Tensor check_routing(const at::Tensor& idx, uint8_t* unrouted, cudaStream_t stream);
-  // prepare, after launch_finish_prepare recorded any overflow in scan().
-  void check_overflow(cudaStream_t stream);
+  // `capturing`: whether `stream` is capturing a CUDA graph (asked once per
+  // prepare, by the caller).
+  at::Tensor check_routing(const at::Tensor& idx, uint8_t* unrouted, cudaStream_t stream, bool capturing);
+  // prepare, after ncclEpUpdateHandle: launch_finish_prepare (which records
+  // any overflow in scan(); in the local mode it also keeps this rank's
+  // verdict, in the same launch), then the mode's agreement on the step.
+  void finish_prepare(nccl_ep::HandleState* state, int32_t* expert_counts, int64_t num_local_experts,
+                      int32_t* total_out, cudaStream_t stream, bool capturing);
 
   nccl_ep::CheckScan* scan() { return reinterpret_cast<nccl_ep::CheckScan*>(scan_.data_ptr()); }
   // The device mode: zeroes the outputs of a failed step.
@@ -65,11 +73,13 @@ class NcclEpChecks {
   void agree_on_device(int32_t op, bool argument_error, const at::Tensor* idx, cudaStream_t stream);
   // The synchronous mode: this rank's finding, on the host, agreed by every rank.
   void agree_on_scan_now(cudaStream_t stream);
-  // Raises the kept record if the host copy made after an earlier prepare
-  // holds one. `wait`: for that copy (the device mode, where every rank must
-  // raise in the same step); else only once it has completed.
+  // Raises the kept record if it holds one. `wait` (the device mode, at
+  // prepare, where every rank must raise in the same step): first waits for
+  // the last prepare's verdict, and leaves a record of an op that came after
+  // it for the next prepare. Else the record as it stands (the local mode; a
+  // verdict the GPU has not reached yet is raised at a later prepare).
   void raise_due(bool wait);
-  void snapshot_to_host(cudaStream_t stream);
+  // The message of a kept record (its W rows).
   std::string message(const int32_t* record) const;
   std::string describe_row(const int32_t* row) const;
 
@@ -78,10 +88,19 @@ class NcclEpChecks {
   std::shared_ptr<nccl_ep::Communicator> comm_;
   at::Tensor scan_;         // one CheckScan
   at::Tensor record_;       // [W * kRecordInts] int32: the current agreement
-  at::Tensor sticky_;       // [sticky_ints(W)] int32: the first failing step's record
-  at::Tensor sticky_host_;  // pinned copy of sticky_, made after each prepare
-  cudaEvent_t copied_ = nullptr;
-  bool copy_pending_ = false;
+  // [sticky_ints(W)] int32 in mapped pinned host memory: the first failing
+  // step's record, written by the verdict kernels and read by the host
+  // without a copy (flag at [0], set after the rows).
+  int32_t* sticky_ = nullptr;
+  int32_t* sticky_device_ = nullptr;  // the same memory, as the GPU addresses it
+  // The device mode: recorded after each prepare's verdict, waited for by the next.
+  cudaEvent_t verdict_done_ = nullptr;
+  bool verdict_pending_ = false;
+  // The handle's prepares so far: the number of the current step.
+  int64_t steps_ = 0;
+  // The local mode resets scan_ in its verdict; a prepare that did not get
+  // that far (it threw) leaves it for the next one to clear.
+  bool scan_dirty_ = true;
   // The device mode: this rank's first argument error not raised yet (its
   // message stays on this rank), a prepare argument error to publish with the
   // routing, and whether this rank runs the step's ops on substitutes.

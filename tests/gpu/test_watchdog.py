@@ -22,7 +22,7 @@ import torch
 
 import te_ep_torch  # noqa: F401  (loads the op library)
 from _dist import subprocess_env
-from te_ep_torch import _nccl_ep, ops
+from te_ep_torch import _nccl_ep
 
 CASE = Path(__file__).with_name("_watchdog_case.py")
 EXIT_CODE = 70
@@ -38,31 +38,6 @@ def _env(**extra) -> dict:
     env.pop("TE_EP_WATCHDOG", None)
     env.update(extra)
     return env
-
-
-def _state_of_a_fresh_process(env: dict) -> subprocess.CompletedProcess:
-    code = "from te_ep_torch import ops; print(ops.watchdog_state())"
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-
-
-def test_watchdog_state_op_reports_the_action():
-    action, pending, fired = ops.watchdog_state()
-    assert action in ("exit", "warn", "off")
-    assert pending >= 0 and fired >= 0
-
-
-@pytest.mark.parametrize("value,action", [("", "exit"), ("exit", "exit"), ("warn", "warn"), ("off", "off"),
-                                          ("0", "off")])
-def test_action_follows_the_env(value, action):
-    proc = _state_of_a_fresh_process(_env(TE_EP_WATCHDOG=value))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == f"('{action}', 0, 0)"
-
-
-def test_bad_env_value_is_an_error_naming_the_variable():
-    proc = _state_of_a_fresh_process(_env(TE_EP_WATCHDOG="sometimes"))
-    assert proc.returncode != 0
-    assert "TE_EP_WATCHDOG must be 'exit' (the default), 'warn' or 'off', got 'sometimes'" in proc.stderr
 
 
 @pytest.fixture(scope="module", autouse=True)
