@@ -199,9 +199,11 @@ struct HandleState {
 };
 
 // ---- the check policy's device side (csrc/torch/nccl_ep_checks.cpp owns it) --
-// What this rank found in the current step, in every check mode: reset by each
-// prepare, filled by launch_check_routing and launch_finish_prepare, moved
-// into a record row by launch_publish_row.
+// What this rank found in the current step, in every check mode: filled by
+// launch_check_routing and launch_finish_prepare, moved into a record row (and
+// reset, `poisoned` excepted) by launch_publish_row. prepare clears it first in
+// the device and synchronous modes, and in the local mode after a prepare that
+// did not reach its verdict.
 struct CheckScan {
   // The first bad choice: (INT32_MAX - (t * top_k + k)) << 32 | (uint32) its id;
   // atomicMax keeps the lowest key.
