@@ -220,7 +220,7 @@ class Op:
             self.setup()
         return self.fn()
 
-    def time(self, args, device: torch.device, label: str = "") -> Timing:
+    def time(self, args, device: torch.device, label: str) -> Timing:
         """Its device, host and queued times (_common.median_ms), every iteration barrier-aligned;
         with ``--nvtx``, each timed call inside an NVTX range named ``label``."""
         return _common.median_ms(self.fn, device, args.warmup, args.iters, ranks=True, before=self.setup,
