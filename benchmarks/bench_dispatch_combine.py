@@ -124,6 +124,7 @@ import argparse
 import contextlib
 import math
 import os
+import re
 import statistics
 import sys
 import traceback
@@ -680,15 +681,24 @@ def measure(variant: Variant, routing: Routing, shape: Shape, args, device: torc
                 if name.startswith("combine"))
     timings = {name: op.time(args, device, f"{variant.label} {name}") for name, op in ops.items()}
     if args.profile:
-        profile_ops(variant.label, ops, args.profile, device)
+        profile_ops(variant.label, ops, args.profile, device, args.trace)
     return timings, error
 
 
-def profile_ops(label: str, ops: Dict[str, "Op"], iters: int, device: torch.device) -> None:
+def trace_path(trace_dir: str, label: str, op: str, rank: int) -> str:
+    """Where ``--trace`` writes one rank's trace of one op of one variant."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", label).strip("_")
+    return os.path.join(trace_dir, f"{safe}.{op}.rank{rank}.json.gz")
+
+
+def profile_ops(label: str, ops: Dict[str, "Op"], iters: int, device: torch.device,
+                trace_dir: Optional[str] = None) -> None:
     """``--profile N``: N more calls of each op under torch.profiler (every rank runs them, rank 0
     prints): the host calls (self CPU time: the op, te_ep's and NCCL EP's CUDA API calls) and the
-    kernels (self device time) behind one op's time, per call, in this variant."""
-    from torch.profiler import ProfilerActivity, profile
+    kernels (self device time) behind one op's time, per call, in this variant. ``trace_dir``
+    (``--trace``): every rank also writes its trace there, each call in a range named
+    '<variant> <op>' (benchmarks/trace_ranges.py reads them)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     for name, op in ops.items():
@@ -698,8 +708,14 @@ def profile_ops(label: str, ops: Dict[str, "Op"], iters: int, device: torch.devi
                 if op.setup is not None:
                     op.setup()
                     _common.synchronize(device)
-                op.fn()
+                dist.barrier()
                 _common.synchronize(device)
+                with record_function(f"{label} {name}"):
+                    op.fn()
+                _common.synchronize(device)
+        if trace_dir is not None:
+            os.makedirs(trace_dir, exist_ok=True)
+            prof.export_chrome_trace(trace_path(trace_dir, label, name, dist.get_rank()))
         if dist.get_rank() != 0:
             continue
         events = prof.key_averages()
@@ -959,7 +975,13 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after timing each variant, N more calls of each op under torch.profiler: rank 0 prints "
                              "the host calls and kernels behind each op (not part of the timed rows)")
+    parser.add_argument("--trace", metavar="DIR",
+                        help="with --profile: every rank writes its torch.profiler trace of each op there "
+                             "(<variant>.<op>.rank<r>.json.gz, each call in a range '<variant> <op>'); "
+                             "benchmarks/trace_ranges.py gives each range's host calls, other threads and kernels")
     args = parser.parse_args()
+    if args.trace and not args.profile:
+        parser.error("--trace needs --profile N (the traced calls are the profiled ones)")
     if args.warmup < 0 or args.iters < 1 or args.profile < 0 or args.rounds < 1:
         parser.error(f"--warmup must be >= 0, --iters >= 1, --profile >= 0 and --rounds >= 1, got {args.warmup}, "
                      f"{args.iters}, {args.profile} and {args.rounds}")
