@@ -69,7 +69,8 @@ ahead of the GPU hides in a training step. ``queued`` is the median time of the
 same call issued while the GPU still spins for 2 ms (``torch.cuda._sleep``),
 timed from the end of the spin: the op's GPU time when the CPU runs ahead, free of
 the host path and of host noise (a host sync inside the op, as in the baselines'
-``.tolist()``, still exposes what follows it). Ratios use ``ms``. Before timing, each variant
+``.tolist()``, still exposes what follows it). Ratios use ``ms``, except the column
+``queued`` after ``x alone``: nccl.ep's queued time over the row's. Before timing, each variant
 round-trips once with identity experts: combine(dispatch(x)) must equal
 top_k * x up to bf16 rounding (``check``, largest error relative to max |top_k * x|
 on any rank; FP8 rows: up to e4m3 rounding, at most 2^-4 per value); a failed check
@@ -106,7 +107,7 @@ done, and ``--csv`` is rewritten then (one line per variant and op).
 every other round in the reverse order. Each number is then the median over the rounds of
 that round's median, and each ratio the median of the rounds' own ratios (two variants timed
 within one round, so a drift of the machine between the variants' turns cancels out); the
-lowest and highest ``x alone`` of the rounds are printed under the table. Within a round the
+lowest and highest ``x alone`` (and its queued ratio) of the rounds are printed under the table. Within a round the
 variants are timed one after the other, so use several rounds for a verdict on a ratio close to 1
 (docs/benchmarks.md).
 
@@ -814,7 +815,8 @@ def merge_rounds(rounds: List[List[Dict]]) -> List[Dict]:
     Every number is the median over the rounds that have the row; a ratio (``x alone``,
     ``x a2a``, ...) is so the median of each round's own ratio, of two variants timed in the
     same round. The round trip's error is the largest of any round. ``rounds`` says how many
-    rounds had the row and ``x_alone_min`` / ``x_alone_max`` the range of its ``x alone``.
+    rounds had the row and ``x_alone_min`` / ``x_alone_max`` the range of its ``x alone``
+    (``x_alone_queued_min`` / ``_max``: of its queued ratio).
     One round's rows are returned as they are, with ``rounds`` = 1.
     """
     merged: Dict[Tuple[str, str, str], List[Dict]] = {}
@@ -830,9 +832,10 @@ def merge_rounds(rounds: List[List[Dict]]) -> List[Dict]:
             elif isinstance(value, float):
                 values = [r[key] for r in same if not math.isnan(r[key])]
                 row[key] = statistics.median(values) if values else math.nan
-        alone = [r["x_alone"] for r in same if not math.isnan(r["x_alone"])]
-        row["x_alone_min"] = min(alone) if alone else math.nan
-        row["x_alone_max"] = max(alone) if alone else math.nan
+        for key in ("x_alone", "x_alone_queued"):
+            ratios = [r[key] for r in same if not math.isnan(r.get(key, math.nan))]
+            row[f"{key}_min"] = min(ratios) if ratios else math.nan
+            row[f"{key}_max"] = max(ratios) if ratios else math.nan
         row["rounds"] = len(same)
         out.append(row)
     return out
@@ -847,6 +850,11 @@ def table_rows(shape: Shape, results: List[Result], logical_bytes: float, remote
         if other is None or other.ms(op) is None:
             return float("nan")
         return other.ms(op) / t
+
+    def queued_ratio(other: Optional[Result], op: str, t: float) -> float:
+        if other is None or op not in other.timings:
+            return float("nan")
+        return other.timings[op].queued_ms / t
 
     kind_order = {"te_ep": 0, "te_ep-fp8": 1, "nccl.ep": 2, "baseline": 3}
 
@@ -890,6 +898,7 @@ def table_rows(shape: Shape, results: List[Result], logical_bytes: float, remote
                 "x_dedup": ratio(by_label.get("a2a_dedup"), base_op, t) if base_op in ("dispatch", "combine")
                 else float("nan"),
                 "x_alone": ratio(alone, base_op, t),
+                "x_alone_queued": queued_ratio(alone, base_op, r.timings[op].queued_ms),
                 "x_bf16": ratio(bf16, base_op, t) if op in ("dispatch_op", "dispatch") else float("nan"),
                 "checks": r.spec.checks,
                 "x_fastest_checks": t / fastest_checks(r, op) if fastest_checks(r, op) else float("nan"),
@@ -907,7 +916,8 @@ def print_table(rows: List[Dict], skipped: List[Tuple[str, str]]) -> None:
         Column("queued", ">8", "queued_ms", ".3f"), Column("logical GB/s", ">13", "logical_GBps", ".1f"),
         Column("NVLink GB/s", ">12", "nvlink_GBps", ".1f"), Column("% copy", ">7", "pct_copy", ".1f"),
         Column("x a2a", ">6", "x_a2a", ".2f"), Column("x dedup", ">7", "x_dedup", ".2f"),
-        Column("x alone", ">7", "x_alone", ".2f"), Column("x bf16", ">6", "x_bf16", ".2f"),
+        Column("x alone", ">7", "x_alone", ".2f"), Column("queued", ">6", "x_alone_queued", ".2f"),
+        Column("x bf16", ">6", "x_bf16", ".2f"),
         Column("/ fastest checks", ">16", "x_fastest_checks", ".3f"),
     ], rows)
     checks = dict.fromkeys((row["variant"], row["check_rel_err"], row["check_tolerance"]) for row in rows)
@@ -918,10 +928,11 @@ def print_table(rows: List[Dict], skipped: List[Tuple[str, str]]) -> None:
         print(f"  {label:<{width}} not run: {reason}")
     spread = [row for row in rows if row.get("rounds", 1) > 1 and not math.isnan(row["x_alone"])]
     if spread:
-        print("x alone per round (median, lowest-highest of the rounds' own ratios):")
+        print("x alone per round (median, lowest-highest of the rounds' own ratios), ms and queued:")
         for row in spread:
             print(f"  {row['variant']:<{width}} {row['op']:<12} {row['x_alone']:.2f} "
-                  f"({row['x_alone_min']:.2f}-{row['x_alone_max']:.2f}) over {row['rounds']} rounds")
+                  f"({row['x_alone_min']:.2f}-{row['x_alone_max']:.2f}), queued {row['x_alone_queued']:.2f} "
+                  f"({row['x_alone_queued_min']:.2f}-{row['x_alone_queued_max']:.2f}) over {row['rounds']} rounds")
 
 
 def nccl_ep_versions(args) -> List[str]:

@@ -21,15 +21,17 @@ TE_EP = bench.VariantSpec("nccl_ep", "zero_copy")
 ALONE = bench.VariantSpec("nccl_ep_alone", "zero_copy")
 
 
-def _round(te_ep_ms, alone_ms, check=1e-3):
-    """One round's table rows: te_ep and (unless alone_ms is None) NCCL EP alone, dispatch only."""
+def _round(te_ep_ms, alone_ms, check=1e-3, queued=None):
+    """One round's table rows: te_ep and (unless alone_ms is None) NCCL EP alone, dispatch only.
+    ``queued``: (te_ep, alone) queued times, else half of each ms."""
+    te_q, alone_q = queued if queued else (te_ep_ms / 2, None if alone_ms is None else alone_ms / 2)
     results = [
         bench.Result(TE_EP.row_label(), "te_ep", "zero_copy", TE_EP, 100,
-                     {"dispatch": Timing(te_ep_ms, te_ep_ms / 2, te_ep_ms / 2)}, check),
+                     {"dispatch": Timing(te_ep_ms, te_ep_ms / 2, te_q)}, check),
     ]
     if alone_ms is not None:
         results.append(bench.Result(ALONE.row_label(), "nccl.ep", "zero_copy", ALONE, 100,
-                                    {"dispatch": Timing(alone_ms, alone_ms / 2, alone_ms / 2)}, 1e-3))
+                                    {"dispatch": Timing(alone_ms, alone_ms / 2, alone_q)}, 1e-3))
     return bench.table_rows(SHAPE, results, logical_bytes=1e9, remote_bytes=5e8, copy_gbps=None)
 
 
@@ -45,6 +47,18 @@ def test_ratios_pair_the_variants_of_one_round():
     assert math.isclose(rows[ALONE.row_label()]["ms"], 0.9)
     assert math.isclose(te_ep["x_alone"], 0.9)
     assert math.isclose(te_ep["x_alone_min"], 0.2) and math.isclose(te_ep["x_alone_max"], 1.0)
+
+
+def test_queued_ratio_pairs_the_queued_times_of_one_round():
+    # The host path shows in ms, not in queued: te_ep 0.9x alone by ms, 1.1x by queued times,
+    # each the median of the rounds' own ratios (queued: 1.1, 1.0 and 1.2).
+    rows = {row["variant"]: row for row in bench.merge_rounds([
+        _round(1.0, 0.9, queued=(0.5, 0.55)), _round(2.0, 1.8, queued=(1.0, 1.0)), _round(1.0, 0.9, queued=(0.5, 0.6))])}
+    te_ep = rows[TE_EP.row_label()]
+    assert math.isclose(te_ep["x_alone"], 0.9)
+    assert math.isclose(te_ep["x_alone_queued"], 1.1)
+    assert math.isclose(te_ep["x_alone_queued_min"], 1.0) and math.isclose(te_ep["x_alone_queued_max"], 1.2)
+    assert math.isnan(rows[ALONE.row_label()]["x_alone_queued"])
 
 
 def test_range_and_worst_check_over_rounds():
