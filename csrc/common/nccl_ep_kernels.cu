@@ -171,9 +171,11 @@ __device__ void publish_row(CheckScan* scan, int64_t top_k, int64_t rank, int64_
   int32_t* mine = record + rank * kRecordInts;
   mine[kRecordBits] = scan->bits | (argument_error ? kBitArgument : 0);
   if (scan->bits & (kBitOutOfRange | kBitRepeated)) {
+    // The one place top_k divides: never by zero.
+    const int64_t k = top_k > 0 ? top_k : 1;
     const int64_t key = INT_MAX - static_cast<int64_t>(scan->first >> 32);
-    mine[kRecordToken] = static_cast<int32_t>(key / top_k);
-    mine[kRecordChoice] = static_cast<int32_t>(key % top_k);
+    mine[kRecordToken] = static_cast<int32_t>(key / k);
+    mine[kRecordChoice] = static_cast<int32_t>(key % k);
     mine[kRecordValue] = static_cast<int32_t>(static_cast<uint32_t>(scan->first & 0xffffffffULL));
   }
   mine[kRecordNeeded] = scan->needed;
@@ -252,10 +254,8 @@ int zero_fill_blocks(int64_t work_items) {
 
 void launch_finish_prepare(HandleState* state, int32_t* expert_counts, int64_t num_local_experts, int32_t* total_out,
                            int64_t capacity, CheckScan* scan, const LocalVerdict& local, cudaStream_t stream) {
-  LocalVerdict verdict = local;
-  verdict.top_k = std::max<int64_t>(verdict.top_k, 1);
   finish_prepare_kernel<<<1, kWarp, 0, stream>>>(state, expert_counts, num_local_experts, total_out, capacity, scan,
-                                                 verdict);
+                                                 local);
   check_launch("finish_prepare_kernel");
 }
 
@@ -316,8 +316,7 @@ void launch_check_routing(const void* topk_idx, void* idx_out, bool is_int64, in
 
 void launch_publish_row(CheckScan* scan, int64_t top_k, int64_t rank, int64_t world, int32_t op, int32_t handle,
                         bool argument_error, int32_t* record, cudaStream_t stream) {
-  publish_row_kernel<<<1, 1, 0, stream>>>(scan, std::max<int64_t>(top_k, 1), rank, world, op, handle, argument_error,
-                                          record);
+  publish_row_kernel<<<1, 1, 0, stream>>>(scan, top_k, rank, world, op, handle, argument_error, record);
   check_launch("publish_row_kernel");
 }
 

@@ -47,10 +47,11 @@ class Desc {
   Desc(const void* data, ncclDataType_t dtype, size_t dim0, size_t dim1) : sizes_{dim0, dim1} {
     init(data, dtype, 2);
   }
-  // A window-backed tensor carries no data pointer: NCCL EP resolves the
-  // window on every rank (NCCL EP's own tests bind windows this way).
+  // A window-backed tensor carries its window and offset, and also its local
+  // address (the window's base plus the offset), which NCCL EP would
+  // otherwise look up (ncclWinGetUserPtr) on every call.
   Desc(const Rows& rows, ncclDataType_t dtype, size_t dim0, size_t dim1) : sizes_{dim0, dim1} {
-    init(rows.win == nullptr ? rows.data : nullptr, dtype, 2);
+    init(rows.data, dtype, 2);
     tensor_.win_hdl = rows.win;
     tensor_.win_offset = rows.win == nullptr ? 0 : rows.offset;
   }

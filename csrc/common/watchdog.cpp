@@ -342,7 +342,9 @@ const char* action_name(Action act) {
 std::unique_ptr<Op> Op::enter(int64_t timeout_ms, std::string what) {
   if (action() == Action::kOff || timeout_ms <= 0) return nullptr;
   const auto now = Clock::now();
-  const long thread_id = static_cast<long>(::syscall(SYS_gettid));
+  // Asked of the kernel once per thread: a system call on every op would cost
+  // more than the rest of the watchdog's bookkeeping.
+  thread_local const long thread_id = static_cast<long>(::syscall(SYS_gettid));
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   if (s.stopping) return nullptr;

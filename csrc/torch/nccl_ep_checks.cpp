@@ -196,22 +196,22 @@ void NcclEpChecks::agree_on_scan_now(cudaStream_t stream) {
 }
 
 void NcclEpChecks::raise_due(bool wait) {
+  const bool waited = wait && verdict_pending_;
+  if (waited) {
+    C10_CUDA_CHECK(cudaEventSynchronize(verdict_done_));
+    verdict_pending_ = false;
+  }
   // Written by the GPU: the flag is read first, the rest only once it is set.
   const volatile int32_t* kept = sticky_;
-  if (wait && verdict_pending_) {
+  if (kept[ne::kStickyFlag] == 0) return;
+  std::atomic_thread_fence(std::memory_order_acquire);
+  if (waited) {
     // The last prepare's verdict is in; the ops of its step that came after
     // it may have run on one rank's GPU and not yet on another's, so their
     // record waits for the next prepare: every rank raises in the same one.
-    C10_CUDA_CHECK(cudaEventSynchronize(verdict_done_));
-    verdict_pending_ = false;
-    if (kept[ne::kStickyFlag] == 0) return;
-    std::atomic_thread_fence(std::memory_order_acquire);
-    const int64_t step = kept[ne::kStickyStep];
     const bool by_prepare = kept[ne::kStickyRows + cfg_.rank * ne::kRecordInts + ne::kRecordOp] == ne::kOpPrepare;
-    if (step == static_cast<int32_t>(steps_) && !by_prepare) return;
+    if (kept[ne::kStickyStep] == static_cast<int32_t>(steps_) && !by_prepare) return;
   }
-  if (kept[ne::kStickyFlag] == 0) return;
-  std::atomic_thread_fence(std::memory_order_acquire);
   const int64_t ints = ne::sticky_ints(cfg_.ep_size);
   std::vector<int32_t> record(static_cast<size_t>(ints - ne::kStickyRows));
   for (int64_t i = ne::kStickyRows; i < ints; ++i) record[static_cast<size_t>(i - ne::kStickyRows)] = kept[i];
