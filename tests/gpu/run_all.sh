@@ -23,6 +23,10 @@
 #                                        # group timeout (a rank that exits mid-step: the watchdog's host
 #                                        # side, measured at W=2 and W=4), the
 #                                        # watchdog's GPU side (tests/gpu/test_watchdog.py); no soak
+# NCCL EP compiles its kernels per shape and world size on first use (NCCL_EP_JIT_CACHE_DIR):
+# on a fresh machine, unpack the cache a run left (tar of the directory: the --quick suite's
+# kernels at W=2 are 0.8 MB compressed) before starting, or the nccl_ep suite's first check
+# mode pays about 150 s of compilation at W=2 (docs/results.md).
 if [ "${1:-}" = "--quick" ]; then
   export TE_EP_SUITE_CASES=${TE_EP_SUITE_CASES:-"routing_exact fp8_dispatch_exact cuda_graph check_modes device_checks_op_arguments bad_input_tokens_dtype capacity_overflow"}
   export TE_EP_FAULT_CASES=${TE_EP_FAULT_CASES:-"expert_id_out_of_range tokens_dtype_one_rank rank_exits_mid_step"}
