@@ -39,6 +39,28 @@ def _columns(cur: sqlite3.Cursor, table: str) -> List[str]:
     return [row[1] for row in cur.execute(f"pragma table_info({table})")]
 
 
+def _inside(calls: list, start: int, end: int) -> list:
+    """The calls (tuples sorted by their start) that start within [start, end)."""
+    return calls[bisect.bisect_left(calls, (start,)):bisect.bisect_left(calls, (end,))]
+
+
+def _range_row(start: int, end: int, calls: Sequence[Tuple[int, int, str, object]],
+               gpu: Dict[object, Tuple[int, int, str]], **extra) -> dict:
+    """One range's summary: its CUDA calls (start, end, name, correlation id) on its thread and the
+    GPU work they launched (``gpu``: correlation id -> (start, end, label)); ``extra`` joins it."""
+    per_api, count = collections.Counter(), collections.Counter()
+    for s, e, call, _ in calls:
+        per_api[call] += e - s
+        count[call] += 1
+    work = [gpu[c[3]] for c in calls if c[3] in gpu]
+    per_gpu = collections.Counter()
+    for s, e, label in work:
+        per_gpu[label] += e - s
+    return dict(host=end - start, api=sum(per_api.values()), calls=len(calls), per_api=per_api, count=count,
+                per_gpu=per_gpu, first=(calls[0][0] - start) if calls else 0,
+                gpu_span=(max(e for _, e, _ in work) - min(s for s, _, _ in work)) if work else 0, **extra)
+
+
 def summarize(path: str, names: Sequence[str] = ()) -> Dict[Tuple[int, str], List[dict]]:
     """{(pid, range name): one dict per range} of an nsys sqlite export, ranges whose name holds
     one of ``names`` (all if none)."""
@@ -80,30 +102,15 @@ def summarize(path: str, names: Sequence[str] = ()) -> Dict[Tuple[int, str], Lis
             for start, end, corr in cur.execute(f"select start, end, correlationId from {table}"):
                 gpu[corr] = (start, end, label)
 
-    def inside(calls, start, end):
-        lo = bisect.bisect_left(calls, (start,))
-        hi = bisect.bisect_left(calls, (end,))
-        return calls[lo:hi]
-
     groups: Dict[Tuple[int, str], List[dict]] = collections.defaultdict(list)
     for start, end, tid, name in ranges:
-        calls = inside(api.get(tid, []), start, end)
-        per_api, count = collections.Counter(), collections.Counter()
-        for s, e, _, name_id, _ in calls:
-            per_api[strings.get(name_id, "?")] += e - s
-            count[strings.get(name_id, "?")] += 1
+        calls = [(s, e, strings.get(name_id, "?"), corr)
+                 for s, e, _, name_id, corr in _inside(api.get(tid, []), start, end)]
         per_os = collections.Counter()
-        for s, e, _, name_id, _ in inside(osrt.get(tid, []), start, end):
+        for s, e, _, name_id, _ in _inside(osrt.get(tid, []), start, end):
             per_os[strings.get(name_id, "?")] += e - s
-        work = [gpu[c[4]] for c in calls if c[4] in gpu]
-        per_gpu = collections.Counter()
-        for s, e, label in work:
-            per_gpu[label] += e - s
-        groups[((tid >> 24) & 0xFFFFFF, name)].append(dict(
-            host=end - start, api=sum(per_api.values()), calls=len(calls), per_api=per_api, count=count,
-            os=sum(per_os.values()), per_os=per_os, per_gpu=per_gpu,
-            first=(calls[0][0] - start) if calls else 0,
-            gpu_span=(max(e for _, e, _ in work) - min(s for s, _, _ in work)) if work else 0))
+        groups[((tid >> 24) & 0xFFFFFF, name)].append(
+            _range_row(start, end, calls, gpu, os=sum(per_os.values()), per_os=per_os))
     return groups
 
 
@@ -142,14 +149,11 @@ def summarize_kineto(paths: Sequence[str], names: Sequence[str] = ()) -> Dict[Tu
             elif cat in _GPU and corr is not None:
                 gpu[corr] = (start, end, _GPU[cat] or name)
         for calls in host.values():
-            calls.sort()
+            calls.sort(key=lambda c: (c[0], c[1]))  # the correlation id may be None
         for start, end, pid, tid, name in ranges:
-            mine = [c for c in host.get((pid, tid), []) if c[0] >= start and c[1] <= end]
-            calls = [c for c in mine if c[2] in _API]
-            per_api, count, per_op = collections.Counter(), collections.Counter(), collections.Counter()
-            for s, e, _, call, _ in calls:
-                per_api[call] += e - s
-                count[call] += 1
+            mine = _inside(host.get((pid, tid), []), start, end)
+            calls = [(s, e, call, corr) for s, e, cat, call, corr in mine if cat in _API]
+            per_op = collections.Counter()
             for s, e, cat, op, _ in mine:
                 if cat == "cpu_op":
                     per_op[op] += e - s
@@ -161,15 +165,8 @@ def summarize_kineto(paths: Sequence[str], names: Sequence[str] = ()) -> Dict[Tu
                     overlap = min(e, end) - max(s, start)
                     if overlap > 0:
                         per_other[f"thread {other_tid}: {call}"] += overlap
-            work = [gpu[c[4]] for c in calls if c[4] in gpu]
-            per_gpu = collections.Counter()
-            for s, e, label in work:
-                per_gpu[label] += e - s
-            groups[(pid, name)].append(dict(
-                host=end - start, api=sum(per_api.values()), calls=len(calls), per_api=per_api, count=count,
-                os=None, per_os=collections.Counter(), per_gpu=per_gpu, per_op=per_op, per_other=per_other,
-                first=(calls[0][0] - start) if calls else 0,
-                gpu_span=(max(e for _, e, _ in work) - min(s for s, _, _ in work)) if work else 0))
+            groups[(pid, name)].append(_range_row(start, end, calls, gpu, os=None, per_os=collections.Counter(),
+                                                  per_op=per_op, per_other=per_other))
     return groups
 
 
