@@ -40,6 +40,15 @@ run_in_tree() {
   wait "$pid"
 }
 
-# On TERM or INT: stop every part, then end with the conventional status (128 + signal).
-trap 'trap - TERM INT; echo "stopped: ending every process of the running part" >&2; stop_tree $$; exit 143' TERM
-trap 'trap - TERM INT; echo "interrupted: ending every process of the running part" >&2; stop_tree $$; exit 130' INT
+# On TERM or INT: stop every part, call the script's after_stop if it defines one (run_all.sh
+# prints the summary of the steps that ended), then end with the conventional status
+# (128 + signal).
+stopped() {  # status, message
+  trap - TERM INT
+  echo "$2: ending every process of the running part" >&2
+  stop_tree $$
+  ! declare -F after_stop >/dev/null || after_stop
+  exit "$1"
+}
+trap 'stopped 143 stopped' TERM
+trap 'stopped 130 interrupted' INT
