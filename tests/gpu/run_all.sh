@@ -70,7 +70,8 @@ want() { [[ "$PARTS" == *" $1 "* ]]; }
 SUM=$(mktemp -d "$LOG/.summary.XXXXXX")  # a part's summary lines, one file per part
 
 # run <name> <log> <command...>: one step of a part, its output appended to <log>; its summary
-# line is printed and kept in the part's file ($SUM/$PART).
+# line is printed and kept in the part's file ($SUM/$PART). A part's steps are named after the
+# part's label ($LABEL_OF_PART).
 run() {
   local name=$1 log=$2
   shift 2
@@ -89,7 +90,7 @@ run() {
 
 # The parts. Each but pytest_part takes its world size first.
 suite_reference() {
-  run "suite W=$1 backend=reference" "$LOG/suite_W$1_reference.log" \
+  run "$LABEL_OF_PART" "$LOG/suite_W$1_reference.log" \
     timeout 900 "$PY" -m torch.distributed.run --standalone --nproc-per-node="$1" tests/gpu/run_suite.py --backend reference
 }
 suite_nccl_ep() {  # W mode checks
@@ -97,17 +98,17 @@ suite_nccl_ep() {  # W mode checks
   # modes run every case but those, on good steps and their own error cases).
   local agreement=include
   [ "$3" = synchronous ] && [ "$1" -ge 2 ] && agreement=only
-  run "suite W=$1 nccl_ep mode=$2 checks=$3" "$LOG/suite_W$1_$2_$3.log" \
+  run "$LABEL_OF_PART" "$LOG/suite_W$1_$2_$3.log" \
     timeout 900 "$PY" -m torch.distributed.run --standalone --nproc-per-node="$1" tests/gpu/run_suite.py \
     --backend nccl_ep --nccl-ep-mode "$2" --checks "$3" --agreement $agreement \
     ${TE_EP_SUITE_CASES:+-k $TE_EP_SUITE_CASES}
 }
 smoke() {  # W mode
-  run "nccl_ep smoke W=$1 mode=$2" "$LOG/smoke_W$1_$2.log" \
+  run "$LABEL_OF_PART" "$LOG/smoke_W$1_$2.log" \
     timeout 600 "$PY" -m torch.distributed.run --standalone --nproc-per-node="$1" tests/gpu/smoke_nccl_ep.py --nccl-ep-mode "$2"
 }
 soak() {  # W mode
-  run "soak 1000 steps W=$1 nccl_ep mode=$2" "$LOG/soak_W$1_$2.log" \
+  run "$LABEL_OF_PART" "$LOG/soak_W$1_$2.log" \
     timeout 900 "$PY" -m torch.distributed.run --standalone --nproc-per-node="$1" tests/gpu/soak.py --steps 1000 --nccl-ep-mode "$2"
 }
 # Each fault case in fresh processes with a hard wall-clock limit; fails on a behaviour
@@ -119,7 +120,7 @@ soak() {  # W mode
 faults() {  # W mode
   local checks warmed=""
   for checks in $CHECKS; do
-    run "faults W=$1 nccl_ep mode=$2 checks=$checks" "$LOG/faults_W$1_$2_$checks.log" \
+    run "$LABEL_OF_PART checks=$checks" "$LOG/faults_W$1_$2_$checks.log" \
       timeout 1200 "$PY" -m tests.faults --backend nccl_ep --world-size "$1" --nccl-ep-mode "$2" \
       --checks "$checks" -v $warmed --summary "$LOG/faults_summary.txt" \
       ${TE_EP_FAULT_PG_TIMEOUT:+--pg-timeout $TE_EP_FAULT_PG_TIMEOUT} \
@@ -127,10 +128,10 @@ faults() {  # W mode
     warmed="--no-warmup"
   done
 }
-pytest_part() {  # name log pytest-args...
-  local name=$1 log=$2
-  shift 2
-  run "$name" "$log" timeout 900 "$PY" -m pytest -q "$@"
+pytest_part() {  # log pytest-args...
+  local log=$1
+  shift
+  run "$LABEL_OF_PART" "$log" timeout 900 "$PY" -m pytest -q "$@"
 }
 
 # The queue: part <gpus> <label> <function> <args...> (gpus: at most the machine's).
@@ -156,20 +157,20 @@ for w in ${TE_EP_WORLD_SIZES:-2 4}; do  # 1: the one-rank cases of run_suite.py 
   done
 done
 if [ "$largest" -gt 0 ] && want soak; then
-  for mode in $MODES; do part "$largest" "soak W=$largest nccl_ep mode=$mode" soak "$largest" "$mode"; done
+  for mode in $MODES; do part "$largest" "soak 1000 steps W=$largest nccl_ep mode=$mode" soak "$largest" "$mode"; done
 fi
 if want faults; then
   for w in ${fault_ws:-1}; do
     for mode in $MODES; do part "$w" "faults W=$w nccl_ep mode=$mode" faults "$w" "$mode"; done
   done
 fi
-want perm && part 1 "permutation CUDA tests" pytest_part "permutation CUDA tests" "$LOG/permutation.log" tests/test_permutation.py -k cuda
-want fp8 && part 2 "FP8 CUDA tests" pytest_part "FP8 CUDA tests" "$LOG/fp8.log" \
+want perm && part 1 "permutation CUDA tests" pytest_part "$LOG/permutation.log" tests/test_permutation.py -k cuda
+want fp8 && part 2 "FP8 CUDA tests" pytest_part "$LOG/fp8.log" \
   tests/test_fp8_ops.py "tests/test_moe_fp8.py::test_fp8_dispatch_layer_gpu"
-want overlap && part 2 "overlap GPU tests" pytest_part "overlap GPU tests" "$LOG/overlap.log" \
+want overlap && part 2 "overlap GPU tests" pytest_part "$LOG/overlap.log" \
   "tests/test_moe_overlap.py::test_overlap_layer_matches_sequential_gpu" \
   "tests/test_moe_overlap.py::test_overlap_layer_in_a_cuda_graph_gpu"
-want watchdog && part 1 "watchdog GPU tests" pytest_part "watchdog GPU tests" "$LOG/watchdog.log" tests/gpu/test_watchdog.py
+want watchdog && part 1 "watchdog GPU tests" pytest_part "$LOG/watchdog.log" tests/gpu/test_watchdog.py
 
 print_summary() {
   local j
@@ -199,7 +200,7 @@ while [ ${#pending[@]} -gt 0 ] || [ ${#HELD[@]} -gt 0 ]; do
       FREE=("${FREE[@]:$n}")
       (  # stopped, a part ends its own tree first: a part that died at once would orphan its steps
         trap 'stop_tree $BASHPID; exit 143' TERM INT
-        export CUDA_VISIBLE_DEVICES=$gpus PART=$j
+        export CUDA_VISIBLE_DEVICES=$gpus PART=$j LABEL_OF_PART=${LABEL[$j]}
         eval "${BODY[$j]}"
         touch "$SUM/$j.done"
       ) &
