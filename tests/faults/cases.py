@@ -18,8 +18,8 @@ raise is measured and judged like any other.
 checks='device') to what the code does,
 an `Expect` with its `shortfall` where that differs from the contract. The nccl_ep ones are
 declared from the code (csrc/torch/nccl_ep_checks.cpp, comm_ops.cpp, csrc/common/watchdog.h)
-and docs/ops.md, "Check modes", and say where GPU runs measured them (the lost-rank cases at W=2
-and W=4: MEASURED_LOST; the others at W=2: MEASURED_W2); this CPU run measures the reference backend. tests/test_faults.py holds the reference
+and docs/ops.md, "Check modes", and say where GPU runs measured them (every case at W=2 and W=4:
+MEASURED); this CPU run measures the reference backend. tests/test_faults.py holds the reference
 backend to its declared behaviour and checks that each declared shortfall is still one.
 Whatever is declared, a rank that hangs or returns an output that is not declared fails the
 case (expect.undeclared_failures).
@@ -59,7 +59,7 @@ H = STEP.hidden
 # Backend variants with declared behaviour: "reference" is measured here (CPU, gloo); the
 # nccl_ep ones (runner.RunConfig.variant: --checks synchronous gives "nccl_ep+check",
 # --checks device "nccl_ep+device") are declared from the code and docs/ops.md and measured on
-# GPUs (MEASURED_LOST, MEASURED_W2). Any other run (e.g. the reference backend on NCCL) is only
+# GPUs (MEASURED). Any other run (e.g. the reference backend on NCCL) is only
 # measured, and still fails on a hang or a wrong output.
 VARIANTS = ("reference", "nccl_ep", "nccl_ep+check", "nccl_ep+device")
 
@@ -489,29 +489,26 @@ def _arg_error(op: str, *faulty_says) -> Expect:
                   others_say=(f"te_ep.{op}", "rank {faulty}"), names_handle=True)
 
 
-# Every other nccl_ep declaration: measured on GPUs at W=2 (2 x H200, 10 s PG timeout, 2026-11-26: every
-# case in every check mode x both nccl_ep modes, as declared, no UNEXPECTED verdict), not yet at W=4.
-MEASURED_W2 = ("measured on GPUs at W=2, not yet at W=4 (docs/results.md, 'every fault case at 2 GPUs'): ")
-NCCL_EP_WATCHDOG_SHORTFALL = (MEASURED_W2 + "no Python exception on the waiting ranks; te_ep's watchdog ends them "
+# Every nccl_ep declaration is measured on GPUs at W=2 and W=4 (2 and 4 x H200, 10 s PG timeout: every
+# case in every check mode x both nccl_ep modes, as declared, no UNEXPECTED verdict; the lost-rank cases
+# also at a 20 s timeout); docs/results.md, "every fault case at 4 GPUs", "every fault case at 2 GPUs"
+# and "a lost or stalled rank".
+MEASURED = "measured on GPUs at W=2 and W=4 (docs/results.md, 'every fault case'): "
+NCCL_EP_WATCHDOG_SHORTFALL = (MEASURED + "no Python exception on the waiting ranks; te_ep's watchdog ends them "
                               "(exit code 70) with a message naming the op, the handle, the group and the rank, but "
                               "not the rank at fault")
-NCCL_EP_LOCAL_SHORTFALL = (MEASURED_W2 + "check mode `local`: nothing is raised in the step, which completes on "
+NCCL_EP_LOCAL_SHORTFALL = (MEASURED + "check mode `local`: nothing is raised in the step, which completes on "
                            "every rank; only the faulty rank raises, a step late (at its next prepare, or "
                            "EpHandle.check()); where that is its next prepare, the others are inside NCCL EP's "
                            "prepare by then, waiting for it, until te_ep's watchdog ends them (exit code 70)")
-NCCL_EP_DEVICE_SHORTFALL = (MEASURED_W2 + "check mode `device`: nothing is raised in the step, which moves nothing "
+NCCL_EP_DEVICE_SHORTFALL = (MEASURED + "check mode `device`: nothing is raised in the step, which moves nothing "
                             "on every rank (its outputs are exactly zero); every rank raises the same agreed message, "
                             "naming the faulty rank and the value, a step late (at the handle's next prepare, or "
                             "EpHandle.check()), and the handle then runs exact steps")
-# The lost-rank cases (rank_exits_mid_step, rank_sleeps_past_timeout) are measured on GPUs at W=2
-# (4 x H200, 20 s PG timeout: local both modes, device and synchronous staged; 2 x H200, 10 s: every
-# check mode x both nccl_ep modes) and W=4 (4 x H200, 10 s: every check mode x both nccl_ep modes), all
-# 2026-11-26; docs/results.md, "a lost or stalled rank" and "every fault case at 2 GPUs".
-MEASURED_LOST = "measured on GPUs at W=2 and W=4 (docs/results.md, 'a lost or stalled rank'): "
-NCCL_EP_LOST_RANK_SHORTFALL = (MEASURED_LOST + "no Python exception on the waiting ranks; te_ep's watchdog ends them "
+NCCL_EP_LOST_RANK_SHORTFALL = (MEASURED + "no Python exception on the waiting ranks; te_ep's watchdog ends them "
                                "(exit code 70) one process-group timeout after they entered the op, with a message "
                                "naming the op, the handle, the group and the rank, but not the rank at fault")
-NCCL_EP_SYNC_LOST_SHORTFALL = (MEASURED_LOST + "checks='synchronous' agrees on errors through the NCCL process group "
+NCCL_EP_SYNC_LOST_SHORTFALL = (MEASURED + "checks='synchronous' agrees on errors through the NCCL process group "
                                "at the start of every op; the survivors wait in that all-reduce, inside the op on the "
                                "host, and te_ep's watchdog ends them (exit code 70) one limit after they entered the "
                                "op, before torch's NCCL watchdog (whose limit counts from the all-reduce's start) would "
@@ -528,7 +525,7 @@ def _watchdog_ends(expect: Expect, op: Substring, shortfall: str = NCCL_EP_WATCH
     return expect.but(watchdog_op=op, shortfall=shortfall, **changes)
 
 
-NCCL_EP_CHECK_WORDING = (MEASURED_W2 + "every rank raises as the contract asks; the faulty rank's message has the "
+NCCL_EP_CHECK_WORDING = (MEASURED + "every rank raises as the contract asks; the faulty rank's message has the "
                          "device check's wording (`topk_idx[t, k] = v (an expert id outside [-1, E))`)")
 
 

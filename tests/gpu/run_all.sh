@@ -29,6 +29,7 @@
 #                                        # group timeout (a rank that exits mid-step: the watchdog's host
 #                                        # side, measured at W=2 and W=4), the
 #                                        # watchdog's GPU side (tests/gpu/test_watchdog.py); no soak
+#                                        # (about 10 minutes at W=2 with a warm kernel cache)
 # NCCL EP compiles its kernels per shape and world size on first use (NCCL_EP_JIT_CACHE_DIR):
 # on a fresh machine, unpack the cache a run left (tar of the directory: the --quick suite's
 # kernels at W=2 are 0.8 MB compressed, every shape of the suite, smoke and soak at W=2 and W=4
