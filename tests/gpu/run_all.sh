@@ -34,8 +34,9 @@
 # on a fresh machine, unpack the cache a run left (tar of the directory: the --quick suite's
 # kernels at W=2 are 0.8 MB compressed, every shape of the suite, smoke and soak at W=2 and W=4
 # 3.5 MB) before starting, or the nccl_ep suite's first check mode pays its compilation (about
-# 150 s for the --quick cases at W=2, about 100 s for the whole suite at W=4; docs/results.md). Parts side by side write the
-# cache safely (NCCL EP writes each kernel to a temporary file and renames it).
+# 150 s for the --quick cases at W=2, about 100 s for the whole suite at W=4; docs/results.md).
+# Parts side by side write the cache safely (NCCL EP writes each kernel to a temporary file and
+# renames it).
 if [ "${1:-}" = "--quick" ]; then
   export TE_EP_SUITE_CASES=${TE_EP_SUITE_CASES:-"routing_exact fp8_dispatch_exact cuda_graph check_modes device_checks_op_arguments bad_input_tokens_dtype capacity_overflow"}
   export TE_EP_FAULT_CASES=${TE_EP_FAULT_CASES:-"expert_id_out_of_range tokens_dtype_one_rank rank_exits_mid_step"}
@@ -182,6 +183,7 @@ print_summary() {
   done
   echo "total ${SECONDS}s"
 }
+# After the last part, and when the run is stopped (process_tree.sh calls it).
 after_stop() { print_summary; rm -rf "$SUM"; }
 
 # The scheduler: start every queued part whose GPUs are free (most GPUs first, then queue
@@ -222,8 +224,7 @@ while [ ${#pending[@]} -gt 0 ] || [ ${#HELD[@]} -gt 0 ]; do
   done
   [ $ended -eq 1 ] || { sleep 0.5 & wait $!; }  # a wait that the traps interrupt
 done
-print_summary
 status=0
 [ -e "$SUM/failed" ] && status=1
-rm -rf "$SUM"
+after_stop
 exit $status
