@@ -16,6 +16,16 @@ with the same receive capacity and zone alignment, runs through
   nccl4py's ``nccl.core``, benchmarks/_nccl_ep_alone.py) in the same NCCL EP
   configuration, once per mode (``auto`` counts as ``zero_copy``); skipped,
   saying why, where those packages don't import;
+* ``nccl.ep+floor/MODE`` (only with ``--backends ... nccl_ep_floor``) NCCL EP alone
+  plus the CUDA calls te_ep's checks and watchdog make around it in the zero-copy
+  mode, and nothing else of te_ep: a small kernel before ``ncclEpUpdateHandle``
+  (te_ep's routing guard) and one after it (its finish kernel), one after
+  ``ncclEpDispatch`` and one before ``ncclEpCombine`` (its row zeroing), and an
+  event recorded after each op (its watchdog's marker); each of these goes through
+  Python (``torch.cuda._sleep(0)``, ``Event.record``), about a microsecond more
+  than te_ep's own C++ call. Its ``x alone`` is the most te_ep's op structure
+  allows; a te_ep row's ``x alone`` below it is what te_ep's wrapper costs
+  (Python, torch's dispatcher, argument checks, allocations);
 * ``nccl.ep-flat/MODE`` (only with ``--backends ... nccl_ep_flat``) the other
   route NCCL EP offers to expert-major rows: its FLAT layout (one slot per token
   and destination rank) and then te_ep's ``permute`` into the same rows; combine
@@ -78,8 +88,8 @@ is reported, not fatal.
 
 Ratios (time of the other / time of the row; > 1: the row is faster):
 ``x a2a`` and ``x dedup`` hold dispatch against the baseline's dispatch and
-combine / combine_copy against its combine; ``x alone`` holds a te_ep row
-against nccl.ep's row of the same op and mode (combine_copy against nccl.ep's
+combine / combine_copy against its combine; ``x alone`` holds a te_ep row (and
+the nccl.ep+floor row) against nccl.ep's row of the same op and mode (combine_copy against nccl.ep's
 zero-copy combine, so it prices te_ep's copy into the window). Below the
 worst-case capacity te_ep runs NCCL EP with the DROP overflow policy (in the
 staged mode NCCL EP then zero-fills the receive buffer on every dispatch) while
@@ -142,7 +152,9 @@ DTYPE = torch.bfloat16
 MODES = ("staged", "zero_copy", "auto")
 # Execution order: the variants least likely to take the process down first, so
 # that their numbers are printed (progress lines) whatever happens later.
-BACKENDS = ("all_to_all", "a2a_dedup", "reference", "nccl_ep", "nccl_ep_alone", "nccl_ep_flat")
+BACKENDS = ("all_to_all", "a2a_dedup", "reference", "nccl_ep", "nccl_ep_alone", "nccl_ep_floor", "nccl_ep_flat")
+# The backends that drive NCCL EP through nccl.ep (NcclEpAloneVariant).
+ALONE_BACKENDS = ("nccl_ep_alone", "nccl_ep_floor", "nccl_ep_flat")
 DEFAULT_BACKENDS = ["nccl_ep", "nccl_ep_alone", "all_to_all", "a2a_dedup"]
 OPS = ("prepare", "quantize", "dispatch_op", "dispatch", "combine", "combine_copy")
 CHECK_TOLERANCE = 1e-2  # relative to max |top_k * x|; bf16 keeps 8 significant bits
@@ -385,7 +397,8 @@ class TeEpFp8(TeEp):
 class NcclEpAloneVariant(Variant):
     """NCCL EP through nccl.ep / nccl.core alone (benchmarks/_nccl_ep_alone.py); with the
     nccl_ep_flat backend its FLAT layout + te_ep's permute / unpermute (the other route to
-    expert-major rows)."""
+    expert-major rows); with nccl_ep_floor, plus the CUDA calls te_ep's checks and watchdog
+    add (see the module's docstring)."""
 
     kind = "nccl.ep"
 
@@ -398,6 +411,8 @@ class NcclEpAloneVariant(Variant):
         self.mode = spec.mode
         self.capacity = capacity
         super().__init__(spec.row_label())
+        self.floor = spec.backend == "nccl_ep_floor"
+        self.marker = torch.cuda.Event()
         self.alone = _nccl_ep_alone.NcclEpAlone(
             tokens=routing.tokens, topk_idx=routing.topk_idx, topk_weights=routing.topk_weights,
             num_experts=shape.experts, capacity=capacity, alignment=alignment, zero_copy=spec.mode == "zero_copy",
@@ -413,12 +428,36 @@ class NcclEpAloneVariant(Variant):
 
     def ops(self) -> Dict[str, Op]:
         a = self.alone
-        return {
-            "prepare": Op(a.prepare),
-            "dispatch_op": Op(a.dispatch_op),
-            "dispatch": Op(a.dispatch),
-            "combine": Op(a.combine, setup=a.fill_combine_window if a.zero_copy else None),
-        }
+        fill = a.fill_combine_window if a.zero_copy else None
+        if not self.floor:
+            return {"prepare": Op(a.prepare), "dispatch_op": Op(a.dispatch_op), "dispatch": Op(a.dispatch),
+                    "combine": Op(a.combine, setup=fill)}
+        return {"prepare": Op(self.floor_prepare), "dispatch_op": Op(self.floor_dispatch_op),
+                "dispatch": Op(self.floor_dispatch), "combine": Op(self.floor_combine, setup=fill)}
+
+    # nccl_ep_floor: te_ep's CUDA calls around NCCL EP's, in te_ep's order (a 0-cycle
+    # torch.cuda._sleep stands for each of te_ep's small kernels).
+    def floor_prepare(self) -> None:
+        torch.cuda._sleep(0)  # the routing guard
+        self.alone.prepare()
+        torch.cuda._sleep(0)  # the finish kernel
+        self.marker.record()
+
+    def floor_dispatch_op(self) -> torch.Tensor:
+        rows = self.alone.dispatch_op()
+        torch.cuda._sleep(0)  # zeroing the rows past the step's total
+        self.marker.record()
+        return rows
+
+    def floor_dispatch(self) -> torch.Tensor:
+        self.floor_prepare()
+        return self.floor_dispatch_op()
+
+    def floor_combine(self) -> torch.Tensor:
+        torch.cuda._sleep(0)  # zeroing the output rows of tokens without a valid choice
+        out = self.alone.combine()
+        self.marker.record()
+        return out
 
     def close(self) -> None:
         super().close()
@@ -546,7 +585,7 @@ class VariantSpec:
     """One variant to run: everything its row label and its EpGroup arguments come from."""
 
     backend: str  # a BACKENDS entry
-    mode: str = ""  # nccl_ep: the nccl_ep_mode asked for; nccl_ep_alone / nccl_ep_flat: the mode
+    mode: str = ""  # nccl_ep: the nccl_ep_mode asked for; ALONE_BACKENDS: the mode
     env_spec: str = "default"
     env: Dict[str, str] = field(default_factory=dict)
     fp8: bool = False
@@ -572,8 +611,9 @@ class VariantSpec:
             asked = self.mode or self.backend
             shown = asked if actual_mode in ("", asked) else f"{asked}->{actual_mode}"
             return f"{'te_ep-fp8' if self.fp8 else 'te_ep'}/{shown}{self.suffix}"
-        if self.backend in ("nccl_ep_alone", "nccl_ep_flat"):
-            return f"{'nccl.ep' if self.backend == 'nccl_ep_alone' else 'nccl.ep-flat'}/{self.mode}{self.suffix}"
+        if self.backend in ALONE_BACKENDS:
+            name = {"nccl_ep_alone": "nccl.ep", "nccl_ep_floor": "nccl.ep+floor", "nccl_ep_flat": "nccl.ep-flat"}
+            return f"{name[self.backend]}/{self.mode}{self.suffix}"
         return self.backend
 
 
@@ -590,8 +630,10 @@ def variant_specs(args) -> List[VariantSpec]:
                     for f in fp8 for checks in args.checks]
         elif backend == "reference":
             out += [VariantSpec(backend, fp8=f) for f in fp8]
-        elif backend in ("nccl_ep_alone", "nccl_ep_flat"):
-            out += [VariantSpec(backend, mode, spec, env) for spec, env in envs for mode in alone_modes]
+        elif backend in ALONE_BACKENDS:
+            # The floor follows te_ep's zero-copy op structure only.
+            modes = [m for m in alone_modes if backend != "nccl_ep_floor" or m == "zero_copy"]
+            out += [VariantSpec(backend, mode, spec, env) for spec, env in envs for mode in modes]
         else:
             out.append(VariantSpec(backend))
     return out
@@ -631,7 +673,7 @@ def make_variant(spec: VariantSpec, shape: Shape, routing: Routing, capacity: in
     if spec.backend == "a2a_dedup":
         return AllToAllDedup(shape, routing, world, capacity, args.alignment)
     with env_setting(spec.env):
-        if spec.backend in ("nccl_ep_alone", "nccl_ep_flat"):
+        if spec.backend in ALONE_BACKENDS:
             return NcclEpAloneVariant(spec, shape, routing, capacity, args.alignment)
         make = TeEpFp8 if spec.fp8 else TeEp
         return make(spec, shape, routing, capacity, args.alignment)
@@ -868,7 +910,7 @@ def table_rows(shape: Shape, results: List[Result], logical_bytes: float, remote
     for r in sorted(results, key=lambda r: kind_order[r.kind]):
         bf16 = by_label.get(r.label.replace("te_ep-fp8/", "te_ep/", 1)) if r.kind == "te_ep-fp8" else None
         alone = None
-        if r.kind == "te_ep" and r.mode in ("staged", "zero_copy"):
+        if (r.kind == "te_ep" or r.spec.backend == "nccl_ep_floor") and r.mode in ("staged", "zero_copy"):
             alone = by_label.get(VariantSpec("nccl_ep_alone", r.mode, r.spec.env_spec).row_label())
         for op in OPS:
             if op not in r.timings:
@@ -943,7 +985,7 @@ def nccl_ep_versions(args) -> List[str]:
         lines = [f"te_ep: {te_nccl_ep.availability() or te_nccl_ep.load()}"]
     except RuntimeError as exc:
         lines = [f"te_ep: NCCL EP does not load: {exc}"]
-    if "nccl_ep_alone" in args.backends:
+    if any(b in args.backends for b in ALONE_BACKENDS):
         lines.append(f"nccl.ep: {_nccl_ep_alone.unavailable() or _nccl_ep_alone.describe()}")
     return lines
 
@@ -953,8 +995,9 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--backends", nargs="+", default=DEFAULT_BACKENDS, choices=list(BACKENDS),
                         help="nccl_ep: te_ep on NCCL EP, once per --modes entry; nccl_ep_alone: NCCL EP through "
-                             "nccl.ep alone; reference: te_ep's torch.distributed backend; all_to_all, a2a_dedup: "
-                             "the baselines")
+                             "nccl.ep alone; nccl_ep_floor: NCCL EP alone plus the CUDA calls te_ep's checks and "
+                             "watchdog add (zero_copy only); nccl_ep_flat: NCCL EP's FLAT layout and te_ep's permute; "
+                             "reference: te_ep's torch.distributed backend; all_to_all, a2a_dedup: the baselines")
     parser.add_argument("--modes", nargs="+", default=["staged", "zero_copy"], choices=list(MODES),
                         help="nccl_ep_mode of the te_ep rows (and the modes of the nccl.ep rows)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",

@@ -93,3 +93,30 @@ def test_nvtx_names_each_timed_call_only_when_asked(monkeypatch):
         args = bench.argparse.Namespace(warmup=0, iters=1, nvtx=nvtx)
         op.time(args, bench.torch.device("cpu"), "te_ep/zero_copy dispatch")
     assert seen == ["te_ep/zero_copy dispatch", None]
+
+
+FLOOR = bench.VariantSpec("nccl_ep_floor", "zero_copy")
+
+
+def test_the_floor_row_is_held_against_nccl_ep_alone():
+    # nccl.ep+floor (NCCL EP alone plus te_ep's own CUDA calls) gets an x alone of its own, so a
+    # te_ep row's x alone can be read against it: 0.8 / 1.0 and 0.8 / 0.9 here.
+    results = [
+        bench.Result(TE_EP.row_label(), "te_ep", "zero_copy", TE_EP, 100, {"dispatch": Timing(1.0, 0.3, 0.9)}, 1e-3),
+        bench.Result(FLOOR.row_label(), "nccl.ep", "zero_copy", FLOOR, 100, {"dispatch": Timing(0.9, 0.2, 0.8)}, 1e-3),
+        bench.Result(ALONE.row_label(), "nccl.ep", "zero_copy", ALONE, 100, {"dispatch": Timing(0.8, 0.1, 0.8)}, 1e-3),
+    ]
+    rows = {row["variant"]: row for row in bench.table_rows(SHAPE, results, 1e9, 5e8, None)}
+    assert FLOOR.row_label() == "nccl.ep+floor/zero_copy"
+    assert math.isclose(rows[TE_EP.row_label()]["x_alone"], 0.8)
+    assert math.isclose(rows[FLOOR.row_label()]["x_alone"], 0.8 / 0.9)
+    assert math.isclose(rows[FLOOR.row_label()]["x_alone_queued"], 1.0)
+    assert math.isnan(rows[ALONE.row_label()]["x_alone"])
+
+
+def test_the_floor_follows_the_zero_copy_structure_only():
+    args = bench.argparse.Namespace(backends=["nccl_ep", "nccl_ep_alone", "nccl_ep_floor"],
+                                    modes=["staged", "zero_copy"], nccl_ep_env=None, fp8=False, checks=["local"])
+    labels = [spec.row_label() for spec in bench.variant_specs(args)]
+    assert labels == ["te_ep/staged", "te_ep/zero_copy", "nccl.ep/staged", "nccl.ep/zero_copy",
+                      "nccl.ep+floor/zero_copy"]
