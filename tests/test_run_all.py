@@ -85,10 +85,11 @@ def test_every_step_once_on_gpus_of_its_own_most_gpus_first(tmp_path):
             assert "--steps 1000" in args
         if kind == "faults":
             assert "--pg-timeout 10" in args
-    # W=2 and W=4 each: the reference suite, 2 modes x 3 check modes, 2 smokes, 2 x 3 fault steps;
-    # the soak at the largest W; the permutation, watchdog (1 GPU), FP8 and overlap (2) tests.
+    # W=2 and W=4 each: the reference suite, 2 modes x 3 check modes, 2 smokes, 2 soaks, 2 x 3 fault
+    # steps; the permutation, watchdog (1 GPU), FP8 and overlap (2) tests.
     assert kinds == {("reference", 2): 1, ("reference", 4): 1, ("suite", 2): 6, ("suite", 4): 6,
-                     ("smoke", 2): 2, ("smoke", 4): 2, ("soak", 4): 2, ("faults", 2): 6, ("faults", 4): 6,
+                     ("smoke", 2): 2, ("smoke", 4): 2, ("soak", 2): 2, ("soak", 4): 2, ("faults", 2): 6,
+                     ("faults", 4): 6,
                      ("pytest", 1): 2, ("pytest", 2): 2}, kinds
     # Steps that overlap in time hold disjoint GPUs, and some did overlap.
     overlapped = 0

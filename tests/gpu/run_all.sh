@@ -3,8 +3,8 @@
 #   bash tests/gpu/run_all.sh            # logs under ${TE_EP_LOG_DIR:-gpu_logs}, one per part
 # Runs, for every world size W in ${TE_EP_WORLD_SIZES:-2 4} that the machine has GPUs for:
 # the shared cases on the reference and nccl_ep backends (nccl_ep also against
-# the reference), the nccl_ep smoke test, the fault-injection cases (tests/faults) on nccl_ep,
-# and the 1000-step soak at the largest W (the fault cases at W=1 where no W fits: on one GPU).
+# the reference), the nccl_ep smoke test, the 1000-step soak and the fault-injection cases
+# (tests/faults) on nccl_ep (the fault cases at W=1 where no W fits: on one GPU).
 # Every nccl_ep part runs once per nccl_ep mode in ${TE_EP_NCCL_EP_MODES:-staged zero_copy}, the
 # suite and the faults once per check mode in ${TE_EP_CHECKS:-local device synchronous} as well.
 # Then the permutation CUDA tests, the FP8 tests (quantize kernels, the FP8-dispatch MoE layer)
@@ -144,11 +144,9 @@ part() {
   shift 2
   BODY+=("$(printf '%q ' "$@")")
 }
-largest=0
 fault_ws=""
 for w in ${TE_EP_WORLD_SIZES:-2 4}; do  # 1: the one-rank cases of run_suite.py (one GPU)
   [ "$w" -le "$ngpu" ] || continue
-  largest=$w
   fault_ws="$fault_ws $w"
   want suite && [ "$w" -ge 2 ] && part "$w" "suite W=$w backend=reference" suite_reference "$w"
   for mode in $MODES; do
@@ -156,11 +154,9 @@ for w in ${TE_EP_WORLD_SIZES:-2 4}; do  # 1: the one-rank cases of run_suite.py 
       { want suite || want nccl_suite; } && part "$w" "suite W=$w nccl_ep mode=$mode checks=$checks" suite_nccl_ep "$w" "$mode" "$checks"
     done
     want smoke && part "$w" "nccl_ep smoke W=$w mode=$mode" smoke "$w" "$mode"
+    want soak && part "$w" "soak 1000 steps W=$w nccl_ep mode=$mode" soak "$w" "$mode"
   done
 done
-if [ "$largest" -gt 0 ] && want soak; then
-  for mode in $MODES; do part "$largest" "soak 1000 steps W=$largest nccl_ep mode=$mode" soak "$largest" "$mode"; done
-fi
 if want faults; then
   for w in ${fault_ws:-1}; do
     for mode in $MODES; do part "$w" "faults W=$w nccl_ep mode=$mode" faults "$w" "$mode"; done
