@@ -6,6 +6,7 @@
 #include <chrono>
 #include <mutex>
 #include <sstream>
+#include <string_view>
 #include <thread>
 #include <unordered_map>
 
@@ -39,14 +40,15 @@ std::unordered_map<std::string, int64_t> g_created;
 
 std::string to_string(c10::string_view s) { return std::string(s.data(), s.size()); }
 
-std::string shape_str(const at::Tensor& t) {
-  std::ostringstream out;
-  out << t.sizes();
-  return out.str();
-}
+// A tensor's shape in a message, formatted only when the message is: argument
+// checks run on every op, and nearly always pass.
+struct ShapeOf {
+  const at::Tensor& t;
+};
+std::ostream& operator<<(std::ostream& out, const ShapeOf& shape) { return out << shape.t.sizes(); }
 
 // torch spells dtypes this way in Python; users read these messages there.
-std::string dtype_name(at::ScalarType t) {
+const char* dtype_name(at::ScalarType t) {
   switch (t) {
     case at::kBFloat16: return "torch.bfloat16";
     case at::kHalf: return "torch.float16";
@@ -188,7 +190,7 @@ class ArgCheck {
     if (!ok()) return *this;
     require(
         t.device() == cfg_.device, name, " must be on ", cfg_.device, " (the handle's device), got ", t.device());
-    require(t.dim() == dim, name, " must be ", dim, "-D ", dims, ", got shape ", shape_str(t));
+    require(t.dim() == dim, name, " must be ", dim, "-D ", dims, ", got shape ", ShapeOf{t});
     require(t.is_contiguous(), name, " must be contiguous (got strides ", t.strides(), ")");
     return *this;
   }
@@ -213,9 +215,9 @@ class ArgCheck {
 
 void check_common(ArgCheck& check, HandleEntry& h, const at::Tensor& handle_mem, c10::string_view group_name) {
   const HandleConfig& cfg = h.cfg;
-  check.require(
-      to_string(group_name) == cfg.group_name, "group_name must be '", cfg.group_name, "' (the handle's group), got '",
-      to_string(group_name), "'");
+  const std::string_view name(group_name.data(), group_name.size());
+  check.require(name == cfg.group_name, "group_name must be '", cfg.group_name, "' (the handle's group), got '", name,
+                "'");
   check.tensor(handle_mem, "handle_mem", 1, "[n]");
   check.require(
       handle_mem.scalar_type() == h.handle_mem_dtype && handle_mem.numel() == h.handle_mem_numel,

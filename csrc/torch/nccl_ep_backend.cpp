@@ -403,12 +403,13 @@ class NcclEpBackend final : public Backend {
     const at::Tensor y = expert_out.contiguous();
     at::Tensor out = at::empty({num_tokens, cfg_.hidden}, y.options());
     if (zero_copy_) {
-      fill_combine_window(y, out, stream);
+      const bool in_place = fill_combine_window(y, stream);
       handle_->combine_forward(combine_window_.rows(), dtype_, cfg_.hidden, out.data_ptr(), num_tokens, stream);
+      zero_unrouted(out, &state()->dirty_combine, /*whole=*/in_place, stream);
     } else {
-      zero_unrouted(out, nullptr, false, stream);
       handle_->combine_forward(ne::Rows::plain(y.data_ptr()), dtype_, cfg_.hidden, out.data_ptr(), num_tokens,
                                stream);
+      zero_unrouted(out, nullptr, false, stream);
     }
     checks_.zero_if_poisoned({out}, stream);
     return out;
@@ -427,14 +428,11 @@ class NcclEpBackend final : public Backend {
     // Zeros: dropped choices (-1) own no slot and get no gradient.
     at::Tensor grad_weights = zeros_on(stream, {num_tokens, cfg_.top_k}, gw.options());
     ne::Rows rows = ne::Rows::plain(g.data_ptr());
-    if (zero_copy_) {
-      fill_combine_window(g, grad_tokens, stream);
-      rows = combine_window_.rows();
-    } else {
-      zero_unrouted(grad_tokens, nullptr, false, stream);
-    }
+    const bool in_place = zero_copy_ && fill_combine_window(g, stream);
+    if (zero_copy_) rows = combine_window_.rows();
     handle_->combine_backward(rows, gw.data_ptr<float>(), dtype_, cfg_.hidden, grad_tokens.data_ptr(),
                               grad_weights.data_ptr<float>(), num_tokens, cfg_.top_k, stream);
+    zero_unrouted(grad_tokens, zero_copy_ ? &state()->dirty_combine : nullptr, in_place, stream);
     checks_.zero_if_poisoned({grad_tokens, grad_weights}, stream);
     return {grad_tokens, grad_weights};
   }
@@ -504,21 +502,23 @@ class NcclEpBackend final : public Backend {
   // Zero-copy mode: NCCL EP reads a combine input (forward or backward) only
   // from the combine window and reduces inside it. A caller's tensor is
   // copied in (only the rows in use); the window itself, handed out by
-  // combine_buffer(), is used as it is. Either way the window's earlier
-  // tensors (combine_buffer(), combine_bwd's output) go stale. `out` is the
-  // combine's token output, whose unrouted rows are zeroed in the same launch
-  // that records the window's dirty rows.
-  void fill_combine_window(const at::Tensor& input, const at::Tensor& out, cudaStream_t stream) {
+  // combine_buffer(), is used as it is (returns true). Either way the window's
+  // earlier tensors (combine_buffer(), combine_bwd's output) go stale. The
+  // caller then zeroes the unrouted rows of the combine's token output after
+  // NCCL EP's launch, in the launch that records the window's dirty rows
+  // (whole: in place, the caller may have written every row).
+  bool fill_combine_window(const at::Tensor& input, cudaStream_t stream) {
     const bool in_place = combine_window_.holds(input);
     combine_window_.invalidate();
-    zero_unrouted(out, &state()->dirty_combine, /*whole=*/in_place, stream);
     if (!in_place) {
       ne::launch_copy_used_rows(state(), input.data_ptr(), combine_window_.ptr(), row_bytes(), cfg_.capacity, stream);
     }
+    return in_place;
   }
 
   // The rows of a combine-like output [prepared tokens, hidden] whose token
-  // had no valid choice: NCCL EP writes every other row. (`dirty`: see
+  // had no valid choice: NCCL EP writes every other row, so these are zeroed
+  // after its launch, off the path to it. (`dirty`: see
   // launch_zero_unrouted_rows.)
   void zero_unrouted(const at::Tensor& out, ne::DirtyRows* dirty, bool whole, cudaStream_t stream) {
     ne::launch_zero_unrouted_rows(unrouted(), out.size(0), out.data_ptr(), row_bytes(), state(), dirty, cfg_.capacity,

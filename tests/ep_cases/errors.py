@@ -121,6 +121,11 @@ BAD_INPUTS = {
         lambda env, bad: _dispatch(env, idx=env.idx.float() if bad else None),
         lambda env: ["topk_idx", DT["fp32"]],
     ),
+    "idx_one_dim": (
+        lambda W: W - 1,
+        lambda env, bad: _dispatch(env, idx=env.idx.reshape(-1) if bad else None),
+        lambda env: ["topk_idx must be 2-D [num_tokens, top_k]", f"got shape [{env.T * env.K}]"],
+    ),
     "hidden_mismatch": (
         lambda W: W - 1,
         lambda env, bad: _dispatch(env, x=torch.zeros(env.T, env.H + 1, dtype=env.x.dtype, device=env.x.device) if bad else None),
