@@ -26,10 +26,13 @@ from pathlib import Path  # noqa: E402
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union  # noqa: E402
 
 # A checkout built in place (setup.py build_ext --inplace) is measured before an
-# installed te_ep_torch.
+# installed te_ep_torch, but after what PYTHONPATH names (another build to compare):
+# its place is right after the last PYTHONPATH entry, else after the script's folder.
 _REPO = Path(__file__).resolve().parent.parent
 if (_REPO / "te_ep_torch" / "_C.so").exists():
-    sys.path.insert(0, str(_REPO))
+    _named = {os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    _last = max((i for i, p in enumerate(sys.path) if os.path.realpath(p or ".") in _named), default=0)
+    sys.path.insert(_last + 1, str(_REPO))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

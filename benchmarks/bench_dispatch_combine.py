@@ -1048,7 +1048,10 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     copy_gbps = peer_copy_gbps(device)
     if rank == 0:
-        print(f"{world} ranks on {device.type}; torch {torch.__version__}")
+        import te_ep_torch
+
+        print(f"{world} ranks on {device.type}; torch {torch.__version__}; te_ep_torch from "
+              f"{os.path.dirname(te_ep_torch.__file__)}")
         if device.type == "cuda":
             print("\n".join(nccl_ep_versions(args)))
         print(f"GPU-to-GPU copy (cuda:0 -> cuda:1, one direction): {copy_gbps or float('nan'):.1f} GB/s", flush=True)
