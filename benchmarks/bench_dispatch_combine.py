@@ -19,9 +19,9 @@ with the same receive capacity and zone alignment, runs through
 * ``nccl.ep+floor/MODE`` (only with ``--backends ... nccl_ep_floor``) NCCL EP alone
   plus the CUDA calls te_ep's checks and watchdog make around it in the zero-copy
   mode, and nothing else of te_ep: a small kernel before ``ncclEpUpdateHandle``
-  (te_ep's routing guard) and one after it (its finish kernel), one after
-  ``ncclEpDispatch`` and one before ``ncclEpCombine`` (its row zeroing), and an
-  event recorded after each op (its watchdog's marker); each of these goes through
+  (te_ep's routing guard) and one after it (its finish kernel), one after each of
+  ``ncclEpDispatch`` and ``ncclEpCombine`` (its row zeroing), and an event recorded
+  after each op (its watchdog's marker); each of these goes through
   Python (``torch.cuda._sleep(0)``, ``Event.record``), about a microsecond more
   than te_ep's own C++ call. Its ``x alone`` is the most te_ep's op structure
   allows; a te_ep row's ``x alone`` below it is what te_ep's wrapper costs
@@ -412,7 +412,7 @@ class NcclEpAloneVariant(Variant):
         self.capacity = capacity
         super().__init__(spec.row_label())
         self.floor = spec.backend == "nccl_ep_floor"
-        self.marker = torch.cuda.Event()
+        self.marker = torch.cuda.Event() if self.floor else None
         self.alone = _nccl_ep_alone.NcclEpAlone(
             tokens=routing.tokens, topk_idx=routing.topk_idx, topk_weights=routing.topk_weights,
             num_experts=shape.experts, capacity=capacity, alignment=alignment, zero_copy=spec.mode == "zero_copy",
@@ -437,16 +437,20 @@ class NcclEpAloneVariant(Variant):
 
     # nccl_ep_floor: te_ep's CUDA calls around NCCL EP's, in te_ep's order (a 0-cycle
     # torch.cuda._sleep stands for each of te_ep's small kernels).
+    def floor_tail(self) -> None:
+        """What follows each of NCCL EP's calls: te_ep's kernel (prepare's finish, or the
+        zeroing of dispatch's rows past the total and of combine's unrouted rows), its marker."""
+        torch.cuda._sleep(0)
+        self.marker.record()
+
     def floor_prepare(self) -> None:
         torch.cuda._sleep(0)  # the routing guard
         self.alone.prepare()
-        torch.cuda._sleep(0)  # the finish kernel
-        self.marker.record()
+        self.floor_tail()
 
     def floor_dispatch_op(self) -> torch.Tensor:
         rows = self.alone.dispatch_op()
-        torch.cuda._sleep(0)  # zeroing the rows past the step's total
-        self.marker.record()
+        self.floor_tail()
         return rows
 
     def floor_dispatch(self) -> torch.Tensor:
@@ -454,9 +458,8 @@ class NcclEpAloneVariant(Variant):
         return self.floor_dispatch_op()
 
     def floor_combine(self) -> torch.Tensor:
-        torch.cuda._sleep(0)  # zeroing the output rows of tokens without a valid choice
         out = self.alone.combine()
-        self.marker.record()
+        self.floor_tail()
         return out
 
     def close(self) -> None:
