@@ -21,7 +21,9 @@ with the same receive capacity and zone alignment, runs through
   mode, and nothing else of te_ep: a small kernel before ``ncclEpUpdateHandle``
   (te_ep's routing guard) and one after it (its finish kernel), one after each of
   ``ncclEpDispatch`` and ``ncclEpCombine`` (its row zeroing), and an event recorded
-  after each op (its watchdog's marker); each of these goes through
+  after each op (its watchdog's marker); ``dispatch`` (prepare included) follows
+  te_ep's one op for both (``prepare_dispatch``): the guard, NCCL EP's two calls, one
+  kernel (finish and zeroing), one marker. Each of these goes through
   Python (``torch.cuda._sleep(0)``, ``Event.record``), about a microsecond more
   than te_ep's own C++ call. Its ``x alone`` is the most te_ep's op structure
   allows; a te_ep row's ``x alone`` below it is what te_ep's wrapper costs
@@ -56,7 +58,8 @@ Rows (ops), each the median over barrier-aligned iterations of the slowest rank:
   nccl.ep: ``ncclEpUpdateHandle`` with per-expert counts and their total);
 * ``dispatch_op``  the dispatch op on already-prepared routing: the token
   transport, whose NVLink figure is the one to hold against the copy bandwidth;
-* ``dispatch``     prepare + dispatch_op (``te.ep_dispatch``); for the baselines
+* ``dispatch``     prepare + dispatch_op in te_ep's one op (``te.ep_dispatch``, which runs
+  ``prepare_dispatch``); for the baselines
   everything from the routing to the expert-major tokens, count exchange and
   host syncs included;
 * ``combine``      expert outputs back to their tokens, summed. In zero-copy
@@ -454,8 +457,13 @@ class NcclEpAloneVariant(Variant):
         return rows
 
     def floor_dispatch(self) -> torch.Tensor:
-        self.floor_prepare()
-        return self.floor_dispatch_op()
+        """As te_ep's ep_dispatch runs it (prepare_dispatch): the guard, NCCL EP's two calls
+        back to back, then one kernel (prepare's finish and the rows' zeroing) and one marker."""
+        torch.cuda._sleep(0)  # the routing guard
+        self.alone.prepare()
+        rows = self.alone.dispatch_op()
+        self.floor_tail()
+        return rows
 
     def floor_combine(self) -> torch.Tensor:
         out = self.alone.combine()

@@ -97,11 +97,17 @@ def _dispatch_backward(ctx, grad_recv: Tensor, grad_weights: Tensor, what: str) 
     )
 
 
-def _dispatch_op(handle: EpHandle, tokens: Tensor, topk_weights: Tensor) -> Tuple[Tensor, Tensor]:
+def _dispatch_op(handle: EpHandle, tokens: Tensor, topk_weights: Tensor,
+                 topk_idx: Optional[Tensor]) -> Tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """``(recv, weights, counts, total)``: ``dispatch`` on the prepared routing (``topk_idx``
+    None; counts and total None), or ``prepare_dispatch`` of ``topk_idx``."""
     handle_id, key = handle.op_ids()
-    return ops.dispatch(
-        tokens, topk_weights, handle.handle_mem, handle.group.group_name, handle_id, handle.config.capacity, key
-    )
+    group_name = handle.group.group_name
+    if topk_idx is None:
+        return (*ops.dispatch(tokens, topk_weights, handle.handle_mem, group_name, handle_id,
+                              handle.config.capacity, key), None, None)
+    return ops.prepare_dispatch(tokens, topk_idx, topk_weights, handle.handle_mem, group_name, handle_id,
+                                handle.group.num_local_experts, handle.config.capacity, key)
 
 
 def _combine_op(handle: EpHandle, expert_out: Tensor, num_tokens: int) -> Tensor:
@@ -111,16 +117,19 @@ def _combine_op(handle: EpHandle, expert_out: Tensor, num_tokens: int) -> Tensor
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tokens: Tensor, topk_weights: Tensor, handle: EpHandle):
-        recv, weights = _dispatch_op(handle, tokens, topk_weights)
+    def forward(ctx, tokens: Tensor, topk_weights: Tensor, handle: EpHandle, topk_idx: Optional[Tensor]):
+        recv, weights, counts, total = _dispatch_op(handle, tokens, topk_weights, topk_idx)
         _save_handle(ctx, handle)
         ctx.num_tokens = tokens.shape[0]
-        return recv, weights
+        if counts is None:
+            return recv, weights
+        ctx.mark_non_differentiable(counts, total)
+        return recv, weights, counts, total
 
     @staticmethod
-    def backward(ctx, grad_recv: Tensor, grad_weights: Tensor):
+    def backward(ctx, grad_recv: Tensor, grad_weights: Tensor, *_counts_total):
         grad_tokens, grad_topk_weights = _dispatch_backward(ctx, grad_recv, grad_weights, "ep_dispatch")
-        return grad_tokens, grad_topk_weights, None
+        return grad_tokens, grad_topk_weights, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -155,16 +164,21 @@ def ep_dispatch(
         topk_weights: ``[T, K]`` float32 routing weights (differentiable).
         prepared: the result of ``handle.prepare(topk_idx)`` when the caller started the
             routing exchange earlier (e.g. as soon as ``topk_idx`` was known); ``None``
-            prepares here.
+            prepares here, in the dispatch's own op (``prepare_dispatch``: under
+            ``checks="local"`` one op, which on ``nccl_ep`` queues less between NCCL EP's
+            two calls than ``prepare`` and ``dispatch`` apart).
 
     Returns:
         :class:`DispatchOutput`; gradients flow back to ``tokens`` and ``topk_weights``.
     """
-    counts, total = handle.prepare(topk_idx) if prepared is None else prepared
+    # Without a prepared routing, one op prepares and dispatches (prepare_dispatch).
+    topk_idx = handle._new_step(topk_idx) if prepared is None else None
     if _needs_graph(tokens, topk_weights):
-        recv, weights = _Dispatch.apply(tokens, topk_weights, handle)
+        out = _Dispatch.apply(tokens, topk_weights, handle, topk_idx)
     else:  # nothing to differentiate: the op alone, without the autograd Function's host cost
-        recv, weights = _dispatch_op(handle, tokens, topk_weights)
+        out = _dispatch_op(handle, tokens, topk_weights, topk_idx)
+    recv, weights = out[0], out[1]
+    counts, total = prepared if prepared is not None else out[2:]
     return DispatchOutput(recv, weights, counts, total)
 
 

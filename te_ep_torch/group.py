@@ -696,6 +696,14 @@ class EpHandle:
         Returns ``(expert_counts, total)``: rows per local expert zone (alignment
         padding included, int32 ``[E_local]``) and their sum (int32 ``[1]``), on device.
         """
+        handle_id, key = self.op_ids()
+        return ops.prepare(self._new_step(topk_idx), self.handle_mem, self.group.group_name, handle_id,
+                           self.group.num_local_experts, key)
+
+    def _new_step(self, topk_idx: Tensor) -> Tensor:
+        """What every prepare of a step does before its op (``prepare`` and ``ep_dispatch``
+        alike): a new generation, and with an ``expert_share`` the choices past it dropped.
+        Returns the routing the op gets."""
         # A prepare inside a running backward is activation checkpointing recomputing
         # this layer's forward: the same routing again, which the original graph's
         # backward nodes (made at the older generation) may use.
@@ -703,9 +711,7 @@ class EpHandle:
             self._generation += 1
         if self.expert_share is not None:
             topk_idx = self._drop_past_share(topk_idx)
-        handle_id, key = self.op_ids()
-        return ops.prepare(topk_idx, self.handle_mem, self.group.group_name, handle_id, self.group.num_local_experts,
-                           key)
+        return topk_idx
 
     def _drop_past_share(self, topk_idx: Tensor) -> Tensor:
         """``topk_idx`` with the choices past their expert's share set to -1 (overflow="drop").

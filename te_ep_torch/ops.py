@@ -34,6 +34,7 @@ __all__ = [
     "worst_case_capacity",
     "prepare",
     "dispatch",
+    "prepare_dispatch",
     "dispatch_fp8",
     "combine",
     "dispatch_bwd",
@@ -151,6 +152,19 @@ def dispatch(
     return torch.ops.te_ep.dispatch(tokens, topk_weights, handle_mem, group_name, handle_id, capacity, handle_key)
 
 
+def prepare_dispatch(
+    tokens: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle_mem: Tensor, group_name: str, handle_id: int,
+    num_local_experts: int, capacity: int, handle_key: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``prepare`` then ``dispatch`` in one call: ``(recv_tokens, recv_weights, expert_counts, total)``.
+
+    Under ``checks="local"`` one op (on ``nccl_ep``, NCCL EP's two calls back to back);
+    otherwise the two ops, each agreed on across ranks as on its own (docs/ops.md).
+    """
+    return torch.ops.te_ep.prepare_dispatch(tokens, topk_idx, topk_weights, handle_mem, group_name, handle_id,
+                                            num_local_experts, capacity, handle_key)
+
+
 def dispatch_fp8(
     values: Tensor, scales: Tensor, topk_weights: Tensor, handle_mem: Tensor, group_name: str, handle_id: int,
     capacity: int, handle_key: Optional[Tensor] = None,
@@ -259,6 +273,14 @@ def _dispatch_fake(tokens, topk_weights, handle_mem, group_name, handle_id, capa
     recv = tokens.new_empty((capacity, tokens.shape[1]))
     weights = tokens.new_empty((capacity,), dtype=torch.float32)
     return recv, weights
+
+
+@_comm_fake("prepare_dispatch")
+def _prepare_dispatch_fake(tokens, topk_idx, topk_weights, handle_mem, group_name, handle_id, num_local_experts,
+                           capacity, handle_key=None):
+    counts, total = _prepare_fake(topk_idx, handle_mem, group_name, handle_id, num_local_experts, handle_key)
+    recv, weights = _dispatch_fake(tokens, topk_weights, handle_mem, group_name, handle_id, capacity, handle_key)
+    return recv, weights, counts, total
 
 
 @_comm_fake("dispatch_fp8")

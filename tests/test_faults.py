@@ -371,7 +371,7 @@ DOCUMENTED = [
                                                     "capacity, at most EpGroup.worst_case_capacity)"),
            failed_in="next prepare", output="zeros", recovery=_OK) for r in (0, 1)]),
     ("topk_idx_dtype_one_rank", "nccl_ep", [
-        _r(0, "died", _te_ep_watchdog(0, "prepare"), failed_in="step", seconds=20.1, exit_code=WATCHDOG_EXIT_CODE),
+        _r(0, "died", _te_ep_watchdog(0, "prepare_dispatch"), failed_in="step", seconds=20.1, exit_code=WATCHDOG_EXIT_CODE),
         _r(1, "raised", "te_ep.prepare: topk_idx must be torch.int64 or torch.int32, got torch.float32" + _HANDLE,
            failed_in="step")]),
     ("topk_idx_dtype_one_rank", "nccl_ep+device", [
@@ -381,7 +381,7 @@ DOCUMENTED = [
                                                     "torch.int32, got torch.float32"),
            failed_in="next prepare", output="zeros", recovery=_OK)]),
     ("tokens_dtype_one_rank", "nccl_ep", [
-        _r(0, "died", _te_ep_watchdog(0, "dispatch"), failed_in="step", seconds=20.1, exit_code=WATCHDOG_EXIT_CODE),
+        _r(0, "died", _te_ep_watchdog(0, "prepare_dispatch"), failed_in="step", seconds=20.1, exit_code=WATCHDOG_EXIT_CODE),
         _r(1, "raised", "te_ep.dispatch: tokens must be torch.bfloat16 (the handle's dtype), got torch.float16"
            + _HANDLE, failed_in="step")]),
     ("tokens_dtype_one_rank", "nccl_ep+device", [

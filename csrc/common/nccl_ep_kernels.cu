@@ -36,13 +36,11 @@ __device__ void publish_row(CheckScan* scan, int64_t top_k, int64_t rank, int64_
 __device__ bool keep_verdict(const int32_t* record, int64_t world, bool poison, CheckScan* scan, int32_t* sticky,
                              int64_t step);
 
-__global__ void finish_prepare_kernel(HandleState* state, int32_t* counts, int64_t num_local_experts,
-                                      int32_t* total_out, int64_t capacity, CheckScan* scan, LocalVerdict local) {
-  int64_t sum = 0;
-  for (int64_t e = threadIdx.x; e < num_local_experts; e += kWarp) sum += counts[e];
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) sum += __shfl_down_sync(0xffffffffu, sum, offset);
-  if (threadIdx.x != 0) return;
-
+// The rows in use after a prepare and its bookkeeping (thread 0 of block 0
+// of the finish kernel): overflow, clipped counts, state->total, total_out,
+// and the local mode's verdict. `sum`: the counts' sum as NCCL EP wrote them.
+__device__ void finish_step(HandleState* state, int32_t* counts, int64_t num_local_experts, int32_t* total_out,
+                            int64_t capacity, CheckScan* scan, const LocalVerdict& local, int64_t sum) {
   const int64_t needed = max(sum, static_cast<int64_t>(state->recv_total_raw));
   int64_t total = sum;
   if (needed > capacity) {
@@ -66,16 +64,21 @@ __global__ void finish_prepare_kernel(HandleState* state, int32_t* counts, int64
   (void)keep_verdict(local.record, 1, false, scan, local.sticky, local.step);
 }
 
-__global__ void zero_unused_rows_kernel(const HandleState* state, uint4* rows, int64_t vecs_per_row, float* weights,
-                                        int64_t capacity, DirtyRows* dirty) {
-  const int64_t first_row = min(static_cast<int64_t>(state->total), capacity);
+// Zeroes rows [first_row, end) of `rows` and [first_row, capacity) of
+// `weights` (when given), the whole grid striding; `end` is capacity, or with
+// `dirty` the rows that may hold an earlier step's data, which the grid's
+// last block then lowers to first_row.
+__device__ void zero_rows_past(int64_t first_row, uint4* rows, int64_t vecs_per_row, float* weights,
+                               int64_t capacity, DirtyRows* dirty) {
   const int64_t end_row = dirty == nullptr ? capacity : min(static_cast<int64_t>(dirty->rows), capacity);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t start = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t vecs = max(end_row - first_row, int64_t{0}) * vecs_per_row;
-  uint4* base = rows + first_row * vecs_per_row;
-  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-  for (int64_t i = start; i < vecs; i += stride) base[i] = zero;
+  if (rows != nullptr) {
+    const int64_t vecs = max(end_row - first_row, int64_t{0}) * vecs_per_row;
+    uint4* base = rows + first_row * vecs_per_row;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    for (int64_t i = start; i < vecs; i += stride) base[i] = zero;
+  }
   if (weights != nullptr) {
     for (int64_t i = first_row + start; i < capacity; i += stride) weights[i] = 0.0f;
   }
@@ -88,6 +91,34 @@ __global__ void zero_unused_rows_kernel(const HandleState* state, uint4* rows, i
   if (atomicAdd(&dirty->blocks_done, 1u) != gridDim.x - 1) return;
   dirty->rows = static_cast<int32_t>(first_row);
   dirty->blocks_done = 0;
+}
+
+// Every block sums the counts itself (a few hundred ints at most) rather than
+// wait for block 0: min(sum, capacity), the rows in use, is the same whether
+// a block reads a count before or after block 0 clips it, because clipping
+// only lowers counts, and only where their sum exceeds the capacity.
+__global__ void finish_kernel(HandleState* state, int32_t* counts, int64_t num_local_experts, int32_t* total_out,
+                              int64_t capacity, CheckScan* scan, LocalVerdict local, uint4* rows,
+                              int64_t vecs_per_row, float* weights, DirtyRows* dirty) {
+  __shared__ int64_t rows_in_use;
+  if (threadIdx.x < kWarp) {
+    const volatile int32_t* read = counts;
+    int64_t sum = 0;
+    for (int64_t e = threadIdx.x; e < num_local_experts; e += kWarp) sum += read[e];
+    for (int offset = kWarp / 2; offset > 0; offset /= 2) sum += __shfl_down_sync(0xffffffffu, sum, offset);
+    if (threadIdx.x == 0) {
+      rows_in_use = min(sum, capacity);
+      if (blockIdx.x == 0) finish_step(state, counts, num_local_experts, total_out, capacity, scan, local, sum);
+    }
+  }
+  if (rows == nullptr && weights == nullptr) return;
+  __syncthreads();
+  zero_rows_past(rows_in_use, rows, vecs_per_row, weights, capacity, dirty);
+}
+
+__global__ void zero_unused_rows_kernel(const HandleState* state, uint4* rows, int64_t vecs_per_row, float* weights,
+                                        int64_t capacity, DirtyRows* dirty) {
+  zero_rows_past(min(static_cast<int64_t>(state->total), capacity), rows, vecs_per_row, weights, capacity, dirty);
 }
 
 __device__ void mark_dirty(const HandleState* state, DirtyRows* dirty, int64_t capacity, bool whole) {
@@ -253,10 +284,16 @@ int zero_fill_blocks(int64_t work_items) {
 }  // namespace
 
 void launch_finish_prepare(HandleState* state, int32_t* expert_counts, int64_t num_local_experts, int32_t* total_out,
-                           int64_t capacity, CheckScan* scan, const LocalVerdict& local, cudaStream_t stream) {
-  finish_prepare_kernel<<<1, kWarp, 0, stream>>>(state, expert_counts, num_local_experts, total_out, capacity, scan,
-                                                 local);
-  check_launch("finish_prepare_kernel");
+                           int64_t capacity, CheckScan* scan, const LocalVerdict& local, const RowsPast& zero,
+                           cudaStream_t stream) {
+  const int64_t vecs_per_row = zero.row_bytes / static_cast<int64_t>(sizeof(uint4));
+  const bool zeroes = (zero.rows != nullptr || zero.weights != nullptr) && capacity > 0;
+  const int blocks = zeroes ? zero_fill_blocks(capacity * std::max<int64_t>(vecs_per_row, 1)) : 1;
+  finish_kernel<<<blocks, zeroes ? 256 : kWarp, 0, stream>>>(
+      state, expert_counts, num_local_experts, total_out, capacity, scan, local,
+      zeroes ? static_cast<uint4*>(zero.rows) : nullptr, vecs_per_row, zeroes ? zero.weights : nullptr,
+      zeroes ? zero.dirty : nullptr);
+  check_launch("finish_kernel");
 }
 
 void launch_zero_unused_rows(const HandleState* state, void* rows, int64_t row_bytes, float* recv_weights,

@@ -284,12 +284,25 @@ struct LocalVerdict {
   int64_t step = 0;
 };
 
+// Receive rows the finish of a prepare zeroes past the rows in use, in its
+// own launch (the fused prepare_dispatch: after NCCL EP's dispatch): as
+// launch_zero_unused_rows' arguments. All null: none.
+struct RowsPast {
+  void* rows = nullptr;
+  int64_t row_bytes = 0;
+  float* weights = nullptr;
+  DirtyRows* dirty = nullptr;
+};
+
 // After ncclEpUpdateHandle: records an overflow in `scan`, writes the rows in
 // use to state->total and total_out, and clips expert_counts so that their
 // prefix sums stay within capacity (keeps a grouped GEMM in bounds on an
-// overflowing step); then `local`'s agreement, if any.
+// overflowing step); then `local`'s agreement, if any; and, in the same
+// launch, launch_zero_unused_rows' work on `zero` (the fused
+// prepare_dispatch, whose dispatch was launched before it).
 void launch_finish_prepare(HandleState* state, int32_t* expert_counts, int64_t num_local_experts, int32_t* total_out,
-                           int64_t capacity, CheckScan* scan, const LocalVerdict& local, cudaStream_t stream);
+                           int64_t capacity, CheckScan* scan, const LocalVerdict& local, const RowsPast& zero,
+                           cudaStream_t stream);
 
 // Zeroes rows [state->total, end) of `rows` (row_bytes each, a multiple of
 // 16) and [state->total, capacity) of recv_weights when given. `end` is

@@ -90,6 +90,16 @@ class Backend {
   virtual std::tuple<at::Tensor, at::Tensor> prepare(const at::Tensor& topk_idx, at::Tensor& handle_mem) = 0;
   virtual std::tuple<at::Tensor, at::Tensor> dispatch(
       const at::Tensor& tokens, const at::Tensor& topk_weights, const at::Tensor& handle_mem) = 0;
+  // prepare, then dispatch of the routing it prepared: the op prepare_dispatch
+  // in the local check mode (comm_ops.cpp), where neither half agrees with
+  // the other ranks. Returns (recv_tokens, recv_weights, expert_counts,
+  // total). A backend may launch the two halves' work in a better order.
+  virtual std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> prepare_dispatch(
+      const at::Tensor& topk_idx, const at::Tensor& tokens, const at::Tensor& topk_weights, at::Tensor& handle_mem) {
+    auto [expert_counts, total] = prepare(topk_idx, handle_mem);
+    auto [recv_tokens, recv_weights] = dispatch(tokens, topk_weights, handle_mem);
+    return {recv_tokens, recv_weights, expert_counts, total};
+  }
   // values [T, H] e4m3 and scales [T, H / 128] f32 -> the same rows in the
   // expert-major layout of dispatch (padding rows: zero bytes), plus weights.
   virtual std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_fp8(

@@ -243,21 +243,23 @@ OpStart start_op(const char* op, int64_t handle_id, const c10::optional<at::Tens
   return start;
 }
 
-void check_prepared(ArgCheck& check, HandleEntry& h, const at::Tensor& handle_mem, const at::Tensor& t,
-                    const char* name) {
-  const int64_t prepared = h.backend->prepared_num_tokens(handle_mem);
-  check.require(prepared >= 0, "the handle has no routing: call prepare (or ep_dispatch) first");
-  check.size(t, name, 0, prepared, "tokens of the last prepare");
+constexpr const char* kLastPrepare = "tokens of the last prepare";
+
+// t.size(0) against a routing of `num_tokens` tokens (-1: the handle has none
+// yet; `what` says where that number comes from).
+void check_routed_rows(ArgCheck& check, const at::Tensor& t, const char* name, int64_t num_tokens, const char* what) {
+  check.require(num_tokens >= 0, "the handle has no routing: call prepare (or ep_dispatch) first");
+  check.size(t, name, 0, num_tokens, what);
 }
 
-
-// Rows in token order: [num_tokens, hidden], num_tokens from the last prepare.
-void check_token_rows(ArgCheck& check, HandleEntry& h, const at::Tensor& handle_mem, const at::Tensor& t,
-                      const char* name) {
+// Rows in token order: [num_tokens, hidden] of the handle's dtype (num_tokens
+// as in check_routed_rows).
+void check_token_rows(ArgCheck& check, const HandleConfig& cfg, const at::Tensor& t, const char* name,
+                      int64_t num_tokens, const char* what) {
   check.tensor(t, name, 2, "[num_tokens, hidden]");
-  check.dtype(t, name, h.cfg.dtype, " (the handle's dtype)");
-  check.size(t, name, 1, h.cfg.hidden, "the handle's hidden");
-  check_prepared(check, h, handle_mem, t, name);
+  check.dtype(t, name, cfg.dtype, " (the handle's dtype)");
+  check.size(t, name, 1, cfg.hidden, "the handle's hidden");
+  check_routed_rows(check, t, name, num_tokens, what);
 }
 
 // Rows of the receive buffer: [capacity, hidden].
@@ -466,11 +468,10 @@ std::vector<int64_t> live_handles() {
   return ids;
 }
 
-std::tuple<at::Tensor, at::Tensor> prepare(
-    const at::Tensor& topk_idx, at::Tensor& handle_mem, c10::string_view group_name, int64_t handle_id,
-    int64_t num_local_experts,
-    const c10::optional<at::Tensor>& handle_key) {
-  auto [id, h, cfg, check] = start_op("prepare", handle_id, handle_key, handle_mem, group_name);
+// prepare's argument checks (after the ones every op shares) and the
+// backend's own check of the routing values: the first error, or "".
+std::string prepare_error(ArgCheck& check, HandleEntry& h, const at::Tensor& topk_idx, int64_t num_local_experts) {
+  const HandleConfig& cfg = h.cfg;
   check.require(
       num_local_experts == cfg.num_local_experts(), "num_local_experts must be ", cfg.num_local_experts(),
       " (num_experts / EP size), got ", num_local_experts);
@@ -482,11 +483,29 @@ std::tuple<at::Tensor, at::Tensor> prepare(
   check.require(
       !check.ok() || topk_idx.size(0) <= cfg.max_tokens_per_rank, "topk_idx.size(0) (num_tokens) must be at most ",
       cfg.max_tokens_per_rank, " (max_tokens_per_rank of the group), got ", check.ok() ? topk_idx.size(0) : 0);
-  std::string error = check.error();
-  if (error.empty()) {
-    error = h->backend->validate_routing(topk_idx);
-    if (!error.empty()) error = "te_ep.prepare: " + error;
-  }
+  if (!check.ok()) return check.error();
+  const std::string error = h.backend->validate_routing(topk_idx);
+  return error.empty() ? error : "te_ep.prepare: " + error;
+}
+
+// dispatch's checks of tokens and topk_weights against the routing of
+// `num_tokens` tokens (as in check_routed_rows).
+void check_dispatch_inputs(ArgCheck& check, const HandleConfig& cfg, const at::Tensor& tokens,
+                           const at::Tensor& topk_weights, int64_t capacity, int64_t num_tokens, const char* what) {
+  check.require(capacity == cfg.capacity, "capacity must be ", cfg.capacity, " (the handle's), got ", capacity);
+  check_token_rows(check, cfg, tokens, "tokens", num_tokens, what);
+  check.tensor(topk_weights, "topk_weights", 2, "[num_tokens, top_k]");
+  check.dtype(topk_weights, "topk_weights", at::kFloat, "");
+  check.size(topk_weights, "topk_weights", 0, check.ok() ? tokens.size(0) : 0, "num_tokens");
+  check.size(topk_weights, "topk_weights", 1, cfg.top_k, "the handle's top_k");
+}
+
+std::tuple<at::Tensor, at::Tensor> prepare(
+    const at::Tensor& topk_idx, at::Tensor& handle_mem, c10::string_view group_name, int64_t handle_id,
+    int64_t num_local_experts,
+    const c10::optional<at::Tensor>& handle_key) {
+  auto [id, h, cfg, check] = start_op("prepare", handle_id, handle_key, handle_mem, group_name);
+  const std::string error = prepare_error(check, *h, topk_idx, num_local_experts);
   return run_op(
       *h, id, "prepare", error, [&] { return h->backend->prepare(topk_idx, handle_mem); },
       [&] {
@@ -501,12 +520,8 @@ std::tuple<at::Tensor, at::Tensor> dispatch(
     c10::string_view group_name, int64_t handle_id, int64_t capacity,
     const c10::optional<at::Tensor>& handle_key) {
   auto [id, h, cfg, check] = start_op("dispatch", handle_id, handle_key, handle_mem, group_name);
-  check.require(capacity == cfg.capacity, "capacity must be ", cfg.capacity, " (the handle's), got ", capacity);
-  check_token_rows(check, *h, handle_mem, tokens, "tokens");
-  check.tensor(topk_weights, "topk_weights", 2, "[num_tokens, top_k]");
-  check.dtype(topk_weights, "topk_weights", at::kFloat, "");
-  check.size(topk_weights, "topk_weights", 0, check.ok() ? tokens.size(0) : 0, "num_tokens");
-  check.size(topk_weights, "topk_weights", 1, cfg.top_k, "the handle's top_k");
+  check_dispatch_inputs(check, cfg, tokens, topk_weights, capacity, h->backend->prepared_num_tokens(handle_mem),
+                        kLastPrepare);
   return run_op(
       *h, id, "dispatch", check.error(),
       [&] { return h->backend->dispatch(tokens, topk_weights, handle_mem); },
@@ -516,6 +531,37 @@ std::tuple<at::Tensor, at::Tensor> dispatch(
                              handle_mem);
         return std::make_tuple(zero_rows_like(cfg, tokens, capacity), zero_weights(cfg, capacity));
       });
+}
+
+// ep_dispatch's op. Where the ranks agree on every op's arguments (the device
+// and synchronous check modes, the reference backend), it is prepare then
+// dispatch, each agreed on as it would be alone, so a rank calling the two ops
+// and one calling this agree step by step. In the local check mode nothing is
+// agreed: both halves' arguments are checked first (each error worded as its
+// op words it), then the backend's prepare_dispatch runs as one watched op.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> prepare_dispatch(
+    const at::Tensor& tokens, const at::Tensor& topk_idx, const at::Tensor& topk_weights, at::Tensor& handle_mem,
+    c10::string_view group_name, int64_t handle_id, int64_t num_local_experts, int64_t capacity,
+    const c10::optional<at::Tensor>& handle_key) {
+  auto [id, h, cfg, check] = start_op("prepare", handle_id, handle_key, handle_mem, group_name);
+  if (h->backend->checks() != Checks::kLocal) {
+    auto [expert_counts, total] = prepare(topk_idx, handle_mem, group_name, handle_id, num_local_experts, handle_key);
+    auto [recv_tokens, recv_weights] = dispatch(tokens, topk_weights, handle_mem, group_name, handle_id, capacity,
+                                                handle_key);
+    return {recv_tokens, recv_weights, expert_counts, total};
+  }
+  std::string error = prepare_error(check, *h, topk_idx, num_local_experts);
+  if (error.empty()) {
+    ArgCheck dispatch_check("dispatch", cfg);
+    check_dispatch_inputs(dispatch_check, cfg, tokens, topk_weights, capacity, topk_idx.size(0),
+                          "topk_idx.size(0), the tokens routed");
+    error = dispatch_check.error();
+  }
+  using Outputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+  return run_op(
+      *h, id, "prepare_dispatch", error,
+      [&] { return h->backend->prepare_dispatch(topk_idx, tokens, topk_weights, handle_mem); },
+      []() -> Outputs { TORCH_INTERNAL_ASSERT(false, "te_ep: the local check mode runs no substitutes"); });
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_fp8(
@@ -529,7 +575,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_fp8(
   check.tensor(values, "values", 2, "[num_tokens, hidden]");
   check.dtype(values, "values", at::kFloat8_e4m3fn, " (FP8 dispatch)");
   check.size(values, "values", 1, cfg.hidden, "the handle's hidden");
-  check_prepared(check, *h, handle_mem, values, "values");
+  check_routed_rows(check, values, "values", h->backend->prepared_num_tokens(handle_mem), kLastPrepare);
   const int64_t num_tokens = check.ok() ? values.size(0) : 0;
   check.tensor(scales, "scales", 2, "[num_tokens, hidden / 128]");
   check.dtype(scales, "scales", at::kFloat, "");
@@ -607,7 +653,7 @@ at::Tensor combine_bwd(
     const c10::optional<at::Tensor>& handle_key) {
   auto [id, h, cfg, check] = start_op("combine_bwd", handle_id, handle_key, handle_mem, group_name);
   check.require(capacity == cfg.capacity, "capacity must be ", cfg.capacity, " (the handle's), got ", capacity);
-  check_token_rows(check, *h, handle_mem, grad_out, "grad_out");
+  check_token_rows(check, cfg, grad_out, "grad_out", h->backend->prepared_num_tokens(handle_mem), kLastPrepare);
   return run_op(
       *h, id, "combine_bwd", check.error(), [&] { return h->backend->combine_bwd(grad_out, handle_mem); },
       [&] {
@@ -635,6 +681,7 @@ TORCH_LIBRARY_IMPL(te_ep, CompositeExplicitAutograd, m) {
 static void register_comm_ops(torch::Library& m) {
   m.impl("prepare", &prepare);
   m.impl("dispatch", &dispatch);
+  m.impl("prepare_dispatch", &prepare_dispatch);
   m.impl("dispatch_fp8", &dispatch_fp8);
   m.impl("combine", &combine);
   m.impl("dispatch_bwd", &dispatch_bwd);

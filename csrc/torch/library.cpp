@@ -46,6 +46,14 @@ TORCH_LIBRARY(te_ep, m) {
   m.def(
       "dispatch(Tensor tokens, Tensor topk_weights, Tensor handle_mem, str group_name, "
       "int handle_id, int capacity, Tensor? handle_key=None) -> (Tensor recv_tokens, Tensor recv_weights)");
+  // prepare, then dispatch of the routing it prepared, in one call (added in
+  // 0.3.0): ep_dispatch without a prepared routing calls it. Under
+  // checks="local" it runs as one op (on nccl_ep with fewer launches);
+  // otherwise as prepare then dispatch, each agreed as on its own.
+  m.def(
+      "prepare_dispatch(Tensor tokens, Tensor topk_idx, Tensor topk_weights, Tensor(a!) handle_mem, str group_name, "
+      "int handle_id, int num_local_experts, int capacity, Tensor? handle_key=None) "
+      "-> (Tensor recv_tokens, Tensor recv_weights, Tensor expert_counts, Tensor total)");
   // FP8 dispatch (handles created with dispatch_dtype=float8_e4m3fn): e4m3
   // values [T, H] and their float32 scales [T, H / 128] move as bytes into
   // the same expert-major rows; padding rows hold zero values and scale 0.

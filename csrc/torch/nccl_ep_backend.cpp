@@ -290,7 +290,7 @@ class NcclEpBackend final : public Backend {
   bool agree_on_arguments(const char* op, const std::string& local_error) override {
     // Without a routing on this rank there is no step to join; raised here
     // in every mode (every rank that skipped prepare does the same).
-    if (std::strcmp(op, "prepare") != 0 && prepared_num_tokens_ < 0) {
+    if (!opens_step(op) && prepared_num_tokens_ < 0) {
       TORCH_CHECK(local_error.empty(), local_error);
       require_prepared(op);
     }
@@ -303,16 +303,9 @@ class NcclEpBackend final : public Backend {
     c10::cuda::CUDAGuard guard(cfg_.device);
     cudaStream_t stream = current_stream();
     const bool capturing = stream_is_capturing(stream);
-    const at::Tensor idx = checks_.check_routing(topk_idx.contiguous(), unrouted(), stream, capturing);
-    const int64_t num_tokens = idx.size(0);
-    const auto int_options = at::TensorOptions().dtype(at::kInt).device(cfg_.device);
-    at::Tensor expert_counts = at::empty({cfg_.num_local_experts()}, int_options);
-    at::Tensor total = at::empty({1}, int_options);
-    handle_->update(idx.data_ptr(), to_dtype(idx.scalar_type()), num_tokens, idx.size(1),
-                    expert_counts.data_ptr<int32_t>(), cfg_.num_local_experts(), &state()->recv_total_raw, stream);
-    checks_.finish_prepare(state(), expert_counts.data_ptr<int32_t>(), cfg_.num_local_experts(),
-                           total.data_ptr<int32_t>(), stream, capturing);
-    prepared_num_tokens_ = num_tokens;
+    auto [expert_counts, total] = exchange_routing(topk_idx, stream, capturing);
+    finish_prepare(expert_counts, total, ne::RowsPast{}, stream, capturing);
+    prepared_num_tokens_ = topk_idx.size(0);
     return {expert_counts, total};
   }
 
@@ -322,27 +315,32 @@ class NcclEpBackend final : public Backend {
     require_prepared("dispatch");
     c10::cuda::CUDAGuard guard(cfg_.device);
     cudaStream_t stream = current_stream();
-    const at::Tensor x = tokens.contiguous();
-    const at::Tensor w = topk_weights.contiguous();
-    at::Tensor recv_weights = at::empty({cfg_.capacity}, w.options());
-    if (zero_copy_) {
-      recv_window_.invalidate();
-      handle_->dispatch_forward(x.data_ptr(), dtype_, x.size(0), cfg_.hidden, w.data_ptr<float>(), w.size(1),
-                                recv_window_.rows(), recv_weights.data_ptr<float>(), stream);
-      // Rows past this step's total keep data of a longer earlier step;
-      // only those (tracked on the device) need zeroing.
-      ne::launch_zero_unused_rows(state(), recv_window_.ptr(), row_bytes(), recv_weights.data_ptr<float>(),
-                                  cfg_.capacity, &state()->dirty_recv, stream);
-      at::Tensor recv_tokens = recv_window_.hand_out();
-      checks_.zero_if_poisoned({recv_tokens, recv_weights}, stream);
-      return {recv_tokens, recv_weights};
-    }
-    at::Tensor recv_tokens = at::empty({cfg_.capacity, cfg_.hidden}, x.options());
-    handle_->dispatch_forward(x.data_ptr(), dtype_, x.size(0), cfg_.hidden, w.data_ptr<float>(), w.size(1),
-                              ne::Rows::plain(recv_tokens.data_ptr()), recv_weights.data_ptr<float>(), stream);
-    zero_tail_if_needed(recv_tokens, recv_weights.data_ptr<float>(), stream);
+    auto [recv_tokens, recv_weights] = send_tokens(tokens, topk_weights, stream);
+    zero_past(dispatch_rows_past(recv_tokens, recv_weights), stream);
     checks_.zero_if_poisoned({recv_tokens, recv_weights}, stream);
     return {recv_tokens, recv_weights};
+  }
+
+  // The local check mode (the only one run_op fuses the two in): prepare's
+  // guard and NCCL EP's routing exchange, NCCL EP's dispatch right behind
+  // them, then one kernel that finishes the prepare and zeroes the receive
+  // rows past those in use. What dispatch's own zeroing kernel and prepare's
+  // finish would do in two launches, between the two NCCL EP calls, is done
+  // after both; NCCL EP's dispatch needs neither.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> prepare_dispatch(
+      const at::Tensor& topk_idx, const at::Tensor& tokens, const at::Tensor& topk_weights,
+      at::Tensor& handle_mem) override {
+    (void)handle_mem;
+    TORCH_INTERNAL_ASSERT(checks_.mode() == Checks::kLocal, "te_ep: prepare_dispatch fuses the local check mode only");
+    require_handle("prepare_dispatch");
+    c10::cuda::CUDAGuard guard(cfg_.device);
+    cudaStream_t stream = current_stream();
+    const bool capturing = stream_is_capturing(stream);
+    auto [expert_counts, total] = exchange_routing(topk_idx, stream, capturing);
+    auto [recv_tokens, recv_weights] = send_tokens(tokens, topk_weights, stream);
+    finish_prepare(expert_counts, total, dispatch_rows_past(recv_tokens, recv_weights), stream, capturing);
+    prepared_num_tokens_ = topk_idx.size(0);
+    return {recv_tokens, recv_weights, expert_counts, total};
   }
 
   // Zero-copy mode: the values (capacity * hidden bytes) and then the scales
@@ -443,19 +441,18 @@ class NcclEpBackend final : public Backend {
     c10::cuda::CUDAGuard guard(cfg_.device);
     cudaStream_t stream = current_stream();
     const at::Tensor g = grad_out.contiguous();
+    at::Tensor recv;
+    ne::Rows rows;
     if (zero_copy_) {
       combine_window_.invalidate();
-      handle_->dispatch_backward(g.data_ptr(), dtype_, g.size(0), cfg_.hidden, combine_window_.rows(), stream);
-      ne::launch_zero_unused_rows(state(), combine_window_.ptr(), row_bytes(), nullptr, cfg_.capacity,
-                                  &state()->dirty_combine, stream);
-      at::Tensor recv = combine_window_.hand_out();
-      checks_.zero_if_poisoned({recv}, stream);
-      return recv;
+      recv = combine_window_.hand_out();
+      rows = combine_window_.rows();
+    } else {
+      recv = at::empty({cfg_.capacity, cfg_.hidden}, g.options());
+      rows = ne::Rows::plain(recv.data_ptr());
     }
-    at::Tensor recv = at::empty({cfg_.capacity, cfg_.hidden}, g.options());
-    handle_->dispatch_backward(g.data_ptr(), dtype_, g.size(0), cfg_.hidden, ne::Rows::plain(recv.data_ptr()),
-                               stream);
-    zero_tail_if_needed(recv, nullptr, stream);
+    handle_->dispatch_backward(g.data_ptr(), dtype_, g.size(0), cfg_.hidden, rows, stream);
+    zero_past(rows_past(recv.data_ptr(), nullptr, zero_copy_ ? &state()->dirty_combine : nullptr), stream);
     checks_.zero_if_poisoned({recv}, stream);
     return recv;
   }
@@ -487,16 +484,78 @@ class NcclEpBackend final : public Backend {
 
   cudaStream_t current_stream() const { return at::cuda::getCurrentCUDAStream(cfg_.device.index()).stream(); }
 
-  int64_t row_bytes() const {
-    return cfg_.hidden * static_cast<int64_t>(ne::dtype_size(dtype_));
+  // The ops that start a step (a new routing) rather than need one.
+  static bool opens_step(const char* op) {
+    return std::strcmp(op, "prepare") == 0 || std::strcmp(op, "prepare_dispatch") == 0;
   }
 
-  // Staged mode: under DROP NCCL EP zero-fills the whole receive buffer of
-  // every dispatch (its permute path cannot tell dropped rows from holes), so
-  // the rows past the last zone are zero already; under TRAP they are not.
-  void zero_tail_if_needed(const at::Tensor& rows, float* weights, cudaStream_t stream) {
-    if (group_->config().can_overflow) return;
-    ne::launch_zero_unused_rows(state(), rows.data_ptr(), row_bytes(), weights, cfg_.capacity, nullptr, stream);
+  // The first half of prepare: the check's guard on `topk_idx`, then NCCL
+  // EP's routing exchange, which writes the counts (`total` is written by
+  // finish_prepare; the caller records the prepared tokens once it returns).
+  std::tuple<at::Tensor, at::Tensor> exchange_routing(const at::Tensor& topk_idx, cudaStream_t stream,
+                                                      bool capturing) {
+    const at::Tensor idx = checks_.check_routing(topk_idx.contiguous(), unrouted(), stream, capturing);
+    const auto int_options = at::TensorOptions().dtype(at::kInt).device(cfg_.device);
+    at::Tensor expert_counts = at::empty({cfg_.num_local_experts()}, int_options);
+    at::Tensor total = at::empty({1}, int_options);
+    handle_->update(idx.data_ptr(), to_dtype(idx.scalar_type()), idx.size(0), idx.size(1),
+                    expert_counts.data_ptr<int32_t>(), cfg_.num_local_experts(), &state()->recv_total_raw, stream);
+    return {expert_counts, total};
+  }
+
+  void finish_prepare(at::Tensor& expert_counts, at::Tensor& total, const ne::RowsPast& zero, cudaStream_t stream,
+                      bool capturing) {
+    checks_.finish_prepare(state(), expert_counts.data_ptr<int32_t>(), cfg_.num_local_experts(),
+                           total.data_ptr<int32_t>(), zero, stream, capturing);
+  }
+
+  // NCCL EP's dispatch of `tokens` into the receive window (zero-copy) or a
+  // new buffer (staged); the rows past those in use are the caller's to zero
+  // (dispatch_rows_past).
+  std::tuple<at::Tensor, at::Tensor> send_tokens(const at::Tensor& tokens, const at::Tensor& topk_weights,
+                                                 cudaStream_t stream) {
+    const at::Tensor x = tokens.contiguous();
+    const at::Tensor w = topk_weights.contiguous();
+    at::Tensor recv_weights = at::empty({cfg_.capacity}, w.options());
+    at::Tensor recv_tokens;
+    ne::Rows rows;
+    if (zero_copy_) {
+      recv_window_.invalidate();
+      recv_tokens = recv_window_.hand_out();
+      rows = recv_window_.rows();
+    } else {
+      recv_tokens = at::empty({cfg_.capacity, cfg_.hidden}, x.options());
+      rows = ne::Rows::plain(recv_tokens.data_ptr());
+    }
+    handle_->dispatch_forward(x.data_ptr(), dtype_, x.size(0), cfg_.hidden, w.data_ptr<float>(), w.size(1), rows,
+                              recv_weights.data_ptr<float>(), stream);
+    return {recv_tokens, recv_weights};
+  }
+
+  // What of a dispatch-like output needs zeroing past the rows in use: its
+  // rows [capacity, hidden] and their weights (or nullptr). Zero-copy (`dirty`:
+  // the window's record): rows past this step's total keep data of a longer
+  // earlier step; only those (tracked on the device) need it. Staged: under
+  // DROP NCCL EP zero-fills the whole receive buffer of every dispatch (its
+  // permute path cannot tell dropped rows from holes), so nothing; under TRAP
+  // the rows past the last zone and their weights.
+  ne::RowsPast rows_past(void* rows, float* weights, ne::DirtyRows* dirty) const {
+    if (dirty == nullptr && group_->config().can_overflow) return ne::RowsPast{};
+    return ne::RowsPast{rows, row_bytes(), weights, dirty};
+  }
+
+  ne::RowsPast dispatch_rows_past(const at::Tensor& recv_tokens, const at::Tensor& recv_weights) {
+    return rows_past(recv_tokens.data_ptr(), recv_weights.data_ptr<float>(),
+                     zero_copy_ ? &state()->dirty_recv : nullptr);
+  }
+
+  void zero_past(const ne::RowsPast& past, cudaStream_t stream) {
+    if (past.rows == nullptr) return;
+    ne::launch_zero_unused_rows(state(), past.rows, past.row_bytes, past.weights, cfg_.capacity, past.dirty, stream);
+  }
+
+  int64_t row_bytes() const {
+    return cfg_.hidden * static_cast<int64_t>(ne::dtype_size(dtype_));
   }
 
   // Zero-copy mode: NCCL EP reads a combine input (forward or backward) only

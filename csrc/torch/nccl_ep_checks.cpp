@@ -137,7 +137,10 @@ at::Tensor NcclEpChecks::check_routing(const at::Tensor& idx, uint8_t* unrouted,
 }
 
 void NcclEpChecks::finish_prepare(ne::HandleState* state, int32_t* expert_counts, int64_t num_local_experts,
-                                  int32_t* total_out, cudaStream_t stream, bool capturing) {
+                                  int32_t* total_out, const ne::RowsPast& zero, cudaStream_t stream, bool capturing) {
+  // Only the local mode's agreement fits in the finish's launch; the others
+  // agree after it, before a dispatch may run.
+  TORCH_INTERNAL_ASSERT(mode_ == Checks::kLocal || (zero.rows == nullptr && zero.weights == nullptr));
   ne::LocalVerdict local;
   if (mode_ == Checks::kLocal) {
     // The local mode's verdict covers the routing and the overflow of the step.
@@ -147,7 +150,8 @@ void NcclEpChecks::finish_prepare(ne::HandleState* state, int32_t* expert_counts
     local.handle = static_cast<int32_t>(cfg_.seq);
     local.step = steps_;
   }
-  ne::launch_finish_prepare(state, expert_counts, num_local_experts, total_out, cfg_.capacity, scan(), local, stream);
+  ne::launch_finish_prepare(state, expert_counts, num_local_experts, total_out, cfg_.capacity, scan(), local, zero,
+                            stream);
   if (mode_ == Checks::kLocal) {
     scan_dirty_ = false;
     return;

@@ -54,9 +54,11 @@ class NcclEpChecks {
   at::Tensor check_routing(const at::Tensor& idx, uint8_t* unrouted, cudaStream_t stream, bool capturing);
   // prepare, after ncclEpUpdateHandle: launch_finish_prepare (which records
   // any overflow in scan(); in the local mode it also keeps this rank's
-  // verdict, in the same launch), then the mode's agreement on the step.
+  // verdict, in the same launch, and zeroes `zero`: the fused
+  // prepare_dispatch's receive rows past those in use), then the mode's
+  // agreement on the step.
   void finish_prepare(nccl_ep::HandleState* state, int32_t* expert_counts, int64_t num_local_experts,
-                      int32_t* total_out, cudaStream_t stream, bool capturing);
+                      int32_t* total_out, const nccl_ep::RowsPast& zero, cudaStream_t stream, bool capturing);
 
   nccl_ep::CheckScan* scan() { return reinterpret_cast<nccl_ep::CheckScan*>(scan_.data_ptr()); }
   // The device mode: zeroes the outputs of a failed step.

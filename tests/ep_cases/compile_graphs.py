@@ -9,7 +9,7 @@ import torch
 
 import te_ep_torch as te
 
-from .common import Step, all_inputs, check_equal, fingerprint, make_group
+from .common import Step, all_inputs, check_equal, check_recv, expected_layout, fingerprint, make_group
 from .dense import (
     Layer,
     assert_close_scaled,
@@ -148,6 +148,12 @@ def case_opcheck(ctx, which: int) -> None:
         opcheck(ops.combine.default, (recv, h.handle_mem, gname, -1, T, h.key))
         opcheck(ops.dispatch_bwd.default, (recv, recv_w, h.handle_mem, gname, -1, T, st.top_k, h.key))
         opcheck(ops.combine_bwd.default, (x, h.handle_mem, gname, h.id, cap, h.key))
+        opcheck(ops.prepare_dispatch.default, (x, idx, w, h.handle_mem, gname, h.id, El, cap))
+        opcheck(ops.prepare_dispatch.default, (x, idx, w, h.handle_mem, gname, -1, El, cap, h.key))
+        # what it returns for real: the step prepare and dispatch give (the layout, exactly)
+        out = ops.prepare_dispatch(x, idx, w, h.handle_mem, gname, h.id, El, cap)
+        check_recv(f"rank {r}: prepare_dispatch", *out, expected_layout(idx_all, r, El, st.alignment, cap), w_all,
+                   st.hidden, st.torch_dtype(), ordered=group.backend == "reference")
         _opcheck_dispatch_fp8(ctx, st, group, idx, w)
         group.shutdown()
 

@@ -618,10 +618,12 @@ def _arg_case(name, fault, body, faulty, op, says, own) -> Case:
         name, fault + "; then EpHandle.check()", body, faulty, contract,
         behaviour={
             "reference": contract,
-            # the faulty rank raises its own message at once; the others go on into NCCL EP's
-            # dispatch, whose kernels wait for it without a limit, until te_ep's watchdog ends
+            # the faulty rank raises its own message at once; the others go on into NCCL EP
+            # (the step's one op, prepare_dispatch: ep_dispatch was given no prepared
+            # routing), whose kernels wait for it without a limit, until te_ep's watchdog ends
             # them one process-group timeout after they entered the op
-            "nccl_ep": _watchdog_ends(contract, op, raising="faulty", watchdog="others", recovers=False),
+            "nccl_ep": _watchdog_ends(contract, "prepare_dispatch", raising="faulty", watchdog="others",
+                                      recovers=False),
             "nccl_ep+check": contract,
             # agreed on the device by the op itself (NcclEpChecks::agree_on_arguments): the
             # faulty rank's op runs on zero substitutes, every rank's outputs of the step are
@@ -684,7 +686,8 @@ CASES = [
         behaviour={
             "reference": _PREPARE_ARG_CONTRACT,
             # the faulty rank raises at once; the others go on into NCCL EP's routing exchange
-            "nccl_ep": _watchdog_ends(_PREPARE_ARG_CONTRACT, "prepare", raising="faulty", watchdog="others",
+            # (in prepare_dispatch, the step's one op)
+            "nccl_ep": _watchdog_ends(_PREPARE_ARG_CONTRACT, "prepare_dispatch", raising="faulty", watchdog="others",
                                       recovers=False),
             "nccl_ep+check": _PREPARE_ARG_CONTRACT,
             # agreed with the routing (NcclEpChecks::check_routing): zeros, then every rank
