@@ -155,7 +155,7 @@ def ep_dispatch(
     topk_weights: Tensor,
     prepared: Optional[Tuple[Tensor, Tensor]] = None,
 ) -> DispatchOutput:
-    """Routes ``tokens [T, H]`` to their experts (collective; prepare + dispatch).
+    """Routes ``tokens [T, H]`` to their experts (collective; prepare and dispatch, one op).
 
     Args:
         handle: the layer's handle.
