@@ -214,33 +214,53 @@ class Fp8DispatchOutput(NamedTuple):
                                      self.grad_sink.dtype if dtype is None else dtype)
 
 
+def _dispatch_fp8_op(handle: EpHandle, tokens: Tensor, scales: Optional[Tensor], topk_weights: Tensor,
+                     topk_idx: Optional[Tensor], pow2_scales: bool, unchecked: bool) -> Tuple[Tensor, ...]:
+    """``(recv_values, recv_scales, recv_weights, sink, counts, total)``: ``tokens`` quantized
+    (``scales`` None) or taken as values, then ``dispatch_fp8`` on the prepared routing
+    (``topk_idx`` None; counts and total None) or ``prepare_dispatch_fp8`` of ``topk_idx``.
+    ``sink``: the zero-stride ``grad_sink`` of :class:`Fp8DispatchOutput`."""
+    values = tokens
+    if scales is None and unchecked:
+        # tokens that ep_dispatch_fp8 found bad: the op's own check rejects them (values of
+        # another dtype, or no scales for float8 values), and the ranks agree on that
+        scales = tokens.new_zeros((tokens.shape[0] if tokens.dim() else 0, 0), dtype=torch.float32)
+    elif scales is None:
+        values, scales = ops.quantize_fp8(tokens, pow2_scales)
+    cfg = handle.config
+    handle_id, key = handle.op_ids()
+    group_name = handle.group.group_name
+    if topk_idx is None:
+        out = (*ops.dispatch_fp8(values, scales, topk_weights, handle.handle_mem, group_name, handle_id, cfg.capacity,
+                                 key), None, None)
+    else:
+        out = ops.prepare_dispatch_fp8(values, scales, topk_idx, topk_weights, handle.handle_mem, group_name,
+                                       handle_id, handle.group.num_local_experts, cfg.capacity, key)
+    recv_values, recv_scales, recv_weights, counts, total = out
+    sink = recv_weights.new_zeros((), dtype=cfg.dtype).expand(cfg.capacity, cfg.hidden)
+    return recv_values, recv_scales, recv_weights, sink, counts, total
+
+
 class _DispatchFp8(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens: Tensor, scales: Optional[Tensor], topk_weights: Tensor, handle: EpHandle,
-                pow2_scales: bool, unchecked: bool):
-        values = tokens
-        if scales is None and unchecked:
-            # tokens that ep_dispatch_fp8 found bad: the op's own check rejects them (values of
-            # another dtype, or no scales for float8 values), and the ranks agree on that
-            scales = tokens.new_zeros((tokens.shape[0] if tokens.dim() else 0, 0), dtype=torch.float32)
-        elif scales is None:
-            values, scales = ops.quantize_fp8(tokens, pow2_scales)
-        cfg = handle.config
-        handle_id, key = handle.op_ids()
-        recv_values, recv_scales, recv_weights = ops.dispatch_fp8(
-            values, scales, topk_weights, handle.handle_mem, handle.group.group_name, handle_id, cfg.capacity, key
-        )
-        sink = recv_weights.new_zeros((), dtype=cfg.dtype).expand(cfg.capacity, cfg.hidden)
+                pow2_scales: bool, unchecked: bool, topk_idx: Optional[Tensor]):
+        recv_values, recv_scales, recv_weights, sink, counts, total = _dispatch_fp8_op(
+            handle, tokens, scales, topk_weights, topk_idx, pow2_scales, unchecked)
         ctx.mark_non_differentiable(recv_values, recv_scales)
         ctx.set_materialize_grads(False)
         _save_handle(ctx, handle)
         ctx.num_tokens = tokens.shape[0]
-        return recv_values, recv_scales, recv_weights, sink
+        if counts is None:
+            return recv_values, recv_scales, recv_weights, sink
+        ctx.mark_non_differentiable(counts, total)
+        return recv_values, recv_scales, recv_weights, sink, counts, total
 
     @staticmethod
-    def backward(ctx, _grad_values, _grad_scales, grad_weights: Optional[Tensor], grad_rows: Optional[Tensor]):
+    def backward(ctx, _grad_values, _grad_scales, grad_weights: Optional[Tensor], grad_rows: Optional[Tensor],
+                 *_counts_total):
         if grad_weights is None and grad_rows is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         cfg = ctx.handle.config
         handle_mem = ctx.saved_tensors[0]
         if grad_rows is None:
@@ -248,7 +268,7 @@ class _DispatchFp8(torch.autograd.Function):
         if grad_weights is None:
             grad_weights = handle_mem.new_zeros((cfg.capacity,), dtype=torch.float32)
         grad_tokens, grad_topk_weights = _dispatch_backward(ctx, grad_rows, grad_weights, "ep_dispatch_fp8")
-        return grad_tokens, None, grad_topk_weights, None, None, None
+        return grad_tokens, None, grad_topk_weights, None, None, None, None
 
 
 class _DequantizeRows(torch.autograd.Function):
@@ -283,7 +303,8 @@ def ep_dispatch_fp8(
         tokens: ``[T, H]`` in the handle's dtype, quantized here with
             :func:`te_ep_torch.ops.quantize_fp8`; or, with ``scales``, values the caller
             quantized already (``float8_e4m3fn``).
-        topk_idx, topk_weights, prepared: as in :func:`ep_dispatch`.
+        topk_idx, topk_weights, prepared: as in :func:`ep_dispatch` (``prepared=None``: one op,
+            ``prepare_dispatch_fp8``, after the quantization).
         scales: ``[T, H / 128]`` float32 scales of pre-quantized ``tokens``; ``None``
             quantizes here.
         pow2_scales: quantize with power-of-two scales.
@@ -310,14 +331,19 @@ def ep_dispatch_fp8(
                f"torch.float8_e4m3fn with scales, got {tokens.dtype}")
     elif scales is not None and tokens.dtype != torch.float8_e4m3fn:
         bad = f"ep_dispatch_fp8: tokens given with scales must be torch.float8_e4m3fn, got {tokens.dtype}"
-    counts, total = handle.prepare(topk_idx) if prepared is None else prepared
+    # Without a prepared routing, one op prepares and dispatches (prepare_dispatch_fp8).
+    topk_idx = handle._new_step(topk_idx) if prepared is None else None
     try:
-        values, recv_scales, weights, sink = _DispatchFp8.apply(tokens, scales, topk_weights, handle, pow2_scales,
-                                                                bad is not None)
+        if _needs_graph(tokens, topk_weights):
+            out = _DispatchFp8.apply(tokens, scales, topk_weights, handle, pow2_scales, bad is not None, topk_idx)
+        else:  # nothing to differentiate: the ops alone, without the autograd Function's host cost
+            out = _dispatch_fp8_op(handle, tokens, scales, topk_weights, topk_idx, pow2_scales, bad is not None)
     except RuntimeError as exc:
         if bad is None:
             raise
         raise ValueError(f"{bad}\n(handle {handle.id} of group '{handle.group.group_name}')") from exc
+    values, recv_scales, weights, sink = out[:4]
+    counts, total = prepared if prepared is not None else out[4:6]
     return Fp8DispatchOutput(values, recv_scales, weights, counts, total, sink)
 
 

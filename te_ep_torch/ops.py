@@ -36,6 +36,7 @@ __all__ = [
     "dispatch",
     "prepare_dispatch",
     "dispatch_fp8",
+    "prepare_dispatch_fp8",
     "combine",
     "dispatch_bwd",
     "combine_bwd",
@@ -174,6 +175,16 @@ def dispatch_fp8(
                                         handle_key)
 
 
+def prepare_dispatch_fp8(
+    values: Tensor, scales: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle_mem: Tensor, group_name: str,
+    handle_id: int, num_local_experts: int, capacity: int, handle_key: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``prepare`` then ``dispatch_fp8`` in one call, as :func:`prepare_dispatch` for bfloat16:
+    ``(recv_values, recv_scales, recv_weights, expert_counts, total)``."""
+    return torch.ops.te_ep.prepare_dispatch_fp8(values, scales, topk_idx, topk_weights, handle_mem, group_name,
+                                                handle_id, num_local_experts, capacity, handle_key)
+
+
 def combine(expert_out: Tensor, handle_mem: Tensor, group_name: str, handle_id: int, num_tokens: int,
             handle_key: Optional[Tensor] = None) -> Tensor:
     """Returns expert outputs to their tokens and sums them: ``[num_tokens, H]``."""
@@ -295,6 +306,14 @@ def _dispatch_fp8_fake(values, scales, topk_weights, handle_mem, group_name, han
         scales.new_empty((capacity, scales.shape[1])),
         scales.new_empty((capacity,)),
     )
+
+
+@_comm_fake("prepare_dispatch_fp8")
+def _prepare_dispatch_fp8_fake(values, scales, topk_idx, topk_weights, handle_mem, group_name, handle_id,
+                               num_local_experts, capacity, handle_key=None):
+    counts, total = _prepare_fake(topk_idx, handle_mem, group_name, handle_id, num_local_experts, handle_key)
+    recv = _dispatch_fp8_fake(values, scales, topk_weights, handle_mem, group_name, handle_id, capacity, handle_key)
+    return (*recv, counts, total)
 
 
 @_comm_fake("combine")

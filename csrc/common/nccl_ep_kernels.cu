@@ -36,19 +36,26 @@ __device__ void publish_row(CheckScan* scan, int64_t top_k, int64_t rank, int64_
 __device__ bool keep_verdict(const int32_t* record, int64_t world, bool poison, CheckScan* scan, int32_t* sticky,
                              int64_t step);
 
-// The rows in use after a prepare and its bookkeeping (thread 0 of block 0
-// of the finish kernel): overflow, clipped counts, state->total, total_out,
-// and the local mode's verdict. `sum`: the counts' sum as NCCL EP wrote them.
-__device__ void finish_step(HandleState* state, int32_t* counts, int64_t num_local_experts, int32_t* total_out,
-                            int64_t capacity, CheckScan* scan, const LocalVerdict& local, int64_t sum) {
+// The rows in use after a prepare and its bookkeeping (the first warp of
+// block 0 of the finish kernel): overflow, the counts handed out (`counts`,
+// from NCCL EP's `raw`, clipped on an overflow), state->total, total_out, and
+// the local mode's verdict. `sum`: the raw counts' sum, in every lane.
+__device__ void finish_step(HandleState* state, const int32_t* raw, int32_t* counts, int64_t num_local_experts,
+                            int32_t* total_out, int64_t capacity, CheckScan* scan, const LocalVerdict& local,
+                            int64_t sum) {
+  const int lane = static_cast<int>(threadIdx.x);
   const int64_t needed = max(sum, static_cast<int64_t>(state->recv_total_raw));
   int64_t total = sum;
-  if (needed > capacity) {
+  if (needed <= capacity) {
+    for (int64_t e = lane; e < num_local_experts; e += kWarp) counts[e] = raw[e];
+    if (lane != 0) return;
+  } else {
+    if (lane != 0) return;
     // NCCL EP dropped what did not fit; whether its counters are pre- or
     // post-drop, clip them so every zone lies inside the buffer.
     int64_t used = 0;
     for (int64_t e = 0; e < num_local_experts; ++e) {
-      const int64_t keep = min(static_cast<int64_t>(counts[e]), capacity - used);
+      const int64_t keep = min(static_cast<int64_t>(raw[e]), capacity - used);
       counts[e] = static_cast<int32_t>(keep);
       used += keep;
     }
@@ -83,6 +90,14 @@ __device__ void zero_rows_past(int64_t first_row, uint4* rows, int64_t vecs_per_
     for (int64_t i = first_row + start; i < capacity; i += stride) weights[i] = 0.0f;
   }
   if (dirty == nullptr) return;
+  if (end_row <= first_row) {
+    // Nothing of the window to zero. dirty->rows moves only to first_row (just
+    // below, or by the last block of a launch that zeroes), so every block of
+    // this launch reads a value <= first_row and takes this path: none counts
+    // itself done, and one thread records the rows this step wrote.
+    if (blockIdx.x == 0 && threadIdx.x == 0) dirty->rows = static_cast<int32_t>(first_row);
+    return;
+  }
   // Lower dirty->rows once every block has read it: the last block to finish
   // does it (and resets the count for the next launch).
   __syncthreads();
@@ -93,23 +108,18 @@ __device__ void zero_rows_past(int64_t first_row, uint4* rows, int64_t vecs_per_
   dirty->blocks_done = 0;
 }
 
-// Every block sums the counts itself (a few hundred ints at most) rather than
-// wait for block 0: min(sum, capacity), the rows in use, is the same whether
-// a block reads a count before or after block 0 clips it, because clipping
-// only lowers counts, and only where their sum exceeds the capacity.
-__global__ void finish_kernel(HandleState* state, int32_t* counts, int64_t num_local_experts, int32_t* total_out,
-                              int64_t capacity, CheckScan* scan, LocalVerdict local, uint4* rows,
+// Every block sums NCCL EP's counts itself rather than wait for block 0:
+// `raw` is only read here (the counts handed out are written to `counts`).
+__global__ void finish_kernel(HandleState* state, const int32_t* raw, int32_t* counts, int64_t num_local_experts,
+                              int32_t* total_out, int64_t capacity, CheckScan* scan, LocalVerdict local, uint4* rows,
                               int64_t vecs_per_row, float* weights, DirtyRows* dirty) {
   __shared__ int64_t rows_in_use;
   if (threadIdx.x < kWarp) {
-    const volatile int32_t* read = counts;
     int64_t sum = 0;
-    for (int64_t e = threadIdx.x; e < num_local_experts; e += kWarp) sum += read[e];
-    for (int offset = kWarp / 2; offset > 0; offset /= 2) sum += __shfl_down_sync(0xffffffffu, sum, offset);
-    if (threadIdx.x == 0) {
-      rows_in_use = min(sum, capacity);
-      if (blockIdx.x == 0) finish_step(state, counts, num_local_experts, total_out, capacity, scan, local, sum);
-    }
+    for (int64_t e = threadIdx.x; e < num_local_experts; e += kWarp) sum += raw[e];
+    for (int offset = kWarp / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    if (threadIdx.x == 0) rows_in_use = min(sum, capacity);
+    if (blockIdx.x == 0) finish_step(state, raw, counts, num_local_experts, total_out, capacity, scan, local, sum);
   }
   if (rows == nullptr && weights == nullptr) return;
   __syncthreads();
@@ -283,14 +293,14 @@ int zero_fill_blocks(int64_t work_items) {
 
 }  // namespace
 
-void launch_finish_prepare(HandleState* state, int32_t* expert_counts, int64_t num_local_experts, int32_t* total_out,
-                           int64_t capacity, CheckScan* scan, const LocalVerdict& local, const RowsPast& zero,
-                           cudaStream_t stream) {
+void launch_finish_prepare(HandleState* state, const int32_t* raw_counts, int32_t* expert_counts,
+                           int64_t num_local_experts, int32_t* total_out, int64_t capacity, CheckScan* scan,
+                           const LocalVerdict& local, const RowsPast& zero, cudaStream_t stream) {
   const int64_t vecs_per_row = zero.row_bytes / static_cast<int64_t>(sizeof(uint4));
   const bool zeroes = (zero.rows != nullptr || zero.weights != nullptr) && capacity > 0;
   const int blocks = zeroes ? zero_fill_blocks(capacity * std::max<int64_t>(vecs_per_row, 1)) : 1;
   finish_kernel<<<blocks, zeroes ? 256 : kWarp, 0, stream>>>(
-      state, expert_counts, num_local_experts, total_out, capacity, scan, local,
+      state, raw_counts, expert_counts, num_local_experts, total_out, capacity, scan, local,
       zeroes ? static_cast<uint4*>(zero.rows) : nullptr, vecs_per_row, zeroes ? zero.weights : nullptr,
       zeroes ? zero.dirty : nullptr);
   check_launch("finish_kernel");

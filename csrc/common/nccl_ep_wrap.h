@@ -294,22 +294,24 @@ struct RowsPast {
   DirtyRows* dirty = nullptr;
 };
 
-// After ncclEpUpdateHandle: records an overflow in `scan`, writes the rows in
-// use to state->total and total_out, and clips expert_counts so that their
-// prefix sums stay within capacity (keeps a grouped GEMM in bounds on an
-// overflowing step); then `local`'s agreement, if any; and, in the same
-// launch, launch_zero_unused_rows' work on `zero` (the fused
-// prepare_dispatch, whose dispatch was launched before it).
-void launch_finish_prepare(HandleState* state, int32_t* expert_counts, int64_t num_local_experts, int32_t* total_out,
-                           int64_t capacity, CheckScan* scan, const LocalVerdict& local, const RowsPast& zero,
-                           cudaStream_t stream);
+// After ncclEpUpdateHandle, which wrote its per-expert counts to `raw_counts`
+// (a buffer of the handle): records an overflow in `scan`, writes the rows in
+// use to state->total and total_out, and writes the counts to expert_counts
+// (the op's output), clipped so that their prefix sums stay within capacity
+// (keeps a grouped GEMM in bounds on an overflowing step); then `local`'s
+// agreement, if any; and, in the same launch, launch_zero_unused_rows' work
+// on `zero` (the fused prepare_dispatch, whose dispatch was launched before
+// it).
+void launch_finish_prepare(HandleState* state, const int32_t* raw_counts, int32_t* expert_counts,
+                           int64_t num_local_experts, int32_t* total_out, int64_t capacity, CheckScan* scan,
+                           const LocalVerdict& local, const RowsPast& zero, cudaStream_t stream);
 
 // Zeroes rows [state->total, end) of `rows` (row_bytes each, a multiple of
 // 16) and [state->total, capacity) of recv_weights when given. `end` is
 // capacity, or with `dirty` (a persistent window) the rows that may still
-// hold data of an earlier step: the grid's last block then lowers dirty->rows
-// to state->total, so a window that was already clean costs nothing. One
-// launch.
+// hold data of an earlier step: dirty->rows then becomes state->total (set
+// by the grid's last block when rows were zeroed, else by one thread), so a
+// window that was already clean costs nothing. One launch.
 void launch_zero_unused_rows(const HandleState* state, void* rows, int64_t row_bytes, float* recv_weights,
                              int64_t capacity, DirtyRows* dirty, cudaStream_t stream);
 

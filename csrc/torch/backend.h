@@ -105,6 +105,16 @@ class Backend {
   virtual std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_fp8(
       const at::Tensor& values, const at::Tensor& scales, const at::Tensor& topk_weights,
       const at::Tensor& handle_mem) = 0;
+  // prepare, then dispatch_fp8, as prepare_dispatch is for dispatch (the op
+  // prepare_dispatch_fp8). Returns (recv_values, recv_scales, recv_weights,
+  // expert_counts, total).
+  virtual std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> prepare_dispatch_fp8(
+      const at::Tensor& topk_idx, const at::Tensor& values, const at::Tensor& scales, const at::Tensor& topk_weights,
+      at::Tensor& handle_mem) {
+    auto [expert_counts, total] = prepare(topk_idx, handle_mem);
+    auto [recv_values, recv_scales, recv_weights] = dispatch_fp8(values, scales, topk_weights, handle_mem);
+    return {recv_values, recv_scales, recv_weights, expert_counts, total};
+  }
   virtual at::Tensor combine(const at::Tensor& expert_out, const at::Tensor& handle_mem, int64_t num_tokens) = 0;
   virtual std::tuple<at::Tensor, at::Tensor> dispatch_bwd(
       const at::Tensor& grad_recv_tokens, const at::Tensor& grad_recv_weights, const at::Tensor& handle_mem,

@@ -500,6 +500,28 @@ void check_dispatch_inputs(ArgCheck& check, const HandleConfig& cfg, const at::T
   check.size(topk_weights, "topk_weights", 1, cfg.top_k, "the handle's top_k");
 }
 
+// dispatch_fp8's checks of values, scales and topk_weights against the
+// routing of `num_tokens` tokens (as in check_routed_rows).
+void check_fp8_inputs(ArgCheck& check, const HandleConfig& cfg, const at::Tensor& values, const at::Tensor& scales,
+                      const at::Tensor& topk_weights, int64_t capacity, int64_t num_tokens, const char* what) {
+  check.require(cfg.dispatch_dtype == at::kFloat8_e4m3fn, "the handle was created without FP8 dispatch; create it "
+                "with dispatch_dtype=torch.float8_e4m3fn");
+  check.require(capacity == cfg.capacity, "capacity must be ", cfg.capacity, " (the handle's), got ", capacity);
+  check.tensor(values, "values", 2, "[num_tokens, hidden]");
+  check.dtype(values, "values", at::kFloat8_e4m3fn, " (FP8 dispatch)");
+  check.size(values, "values", 1, cfg.hidden, "the handle's hidden");
+  check_routed_rows(check, values, "values", num_tokens, what);
+  const int64_t rows = check.ok() ? values.size(0) : 0;
+  check.tensor(scales, "scales", 2, "[num_tokens, hidden / 128]");
+  check.dtype(scales, "scales", at::kFloat, "");
+  check.size(scales, "scales", 0, rows, "num_tokens");
+  check.size(scales, "scales", 1, cfg.hidden / kFp8Block, "one scale per 128 values");
+  check.tensor(topk_weights, "topk_weights", 2, "[num_tokens, top_k]");
+  check.dtype(topk_weights, "topk_weights", at::kFloat, "");
+  check.size(topk_weights, "topk_weights", 0, rows, "num_tokens");
+  check.size(topk_weights, "topk_weights", 1, cfg.top_k, "the handle's top_k");
+}
+
 std::tuple<at::Tensor, at::Tensor> prepare(
     const at::Tensor& topk_idx, at::Tensor& handle_mem, c10::string_view group_name, int64_t handle_id,
     int64_t num_local_experts,
@@ -569,22 +591,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_fp8(
     c10::string_view group_name, int64_t handle_id, int64_t capacity,
     const c10::optional<at::Tensor>& handle_key) {
   auto [id, h, cfg, check] = start_op("dispatch_fp8", handle_id, handle_key, handle_mem, group_name);
-  check.require(cfg.dispatch_dtype == at::kFloat8_e4m3fn, "the handle was created without FP8 dispatch; create it "
-                "with dispatch_dtype=torch.float8_e4m3fn");
-  check.require(capacity == cfg.capacity, "capacity must be ", cfg.capacity, " (the handle's), got ", capacity);
-  check.tensor(values, "values", 2, "[num_tokens, hidden]");
-  check.dtype(values, "values", at::kFloat8_e4m3fn, " (FP8 dispatch)");
-  check.size(values, "values", 1, cfg.hidden, "the handle's hidden");
-  check_routed_rows(check, values, "values", h->backend->prepared_num_tokens(handle_mem), kLastPrepare);
-  const int64_t num_tokens = check.ok() ? values.size(0) : 0;
-  check.tensor(scales, "scales", 2, "[num_tokens, hidden / 128]");
-  check.dtype(scales, "scales", at::kFloat, "");
-  check.size(scales, "scales", 0, num_tokens, "num_tokens");
-  check.size(scales, "scales", 1, cfg.hidden / kFp8Block, "one scale per 128 values");
-  check.tensor(topk_weights, "topk_weights", 2, "[num_tokens, top_k]");
-  check.dtype(topk_weights, "topk_weights", at::kFloat, "");
-  check.size(topk_weights, "topk_weights", 0, num_tokens, "num_tokens");
-  check.size(topk_weights, "topk_weights", 1, cfg.top_k, "the handle's top_k");
+  check_fp8_inputs(check, cfg, values, scales, topk_weights, capacity, h->backend->prepared_num_tokens(handle_mem),
+                   kLastPrepare);
   return run_op(
       *h, id, "dispatch_fp8", check.error(),
       [&] { return h->backend->dispatch_fp8(values, scales, topk_weights, handle_mem); },
@@ -604,6 +612,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_fp8(
                                zero_rows_like(cfg, scales, capacity, cfg.hidden / kFp8Block, at::kFloat),
                                zero_weights(cfg, capacity));
       });
+}
+
+// ep_dispatch_fp8's op, as prepare_dispatch is ep_dispatch's: prepare then
+// dispatch_fp8, each agreed on as alone, where the ranks agree on every op's
+// arguments; in the local check mode both halves' checks, then the
+// backend's prepare_dispatch_fp8 as one watched op.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> prepare_dispatch_fp8(
+    const at::Tensor& values, const at::Tensor& scales, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
+    at::Tensor& handle_mem, c10::string_view group_name, int64_t handle_id, int64_t num_local_experts,
+    int64_t capacity, const c10::optional<at::Tensor>& handle_key) {
+  auto [id, h, cfg, check] = start_op("prepare", handle_id, handle_key, handle_mem, group_name);
+  if (h->backend->checks() != Checks::kLocal) {
+    auto [expert_counts, total] = prepare(topk_idx, handle_mem, group_name, handle_id, num_local_experts, handle_key);
+    auto [recv_values, recv_scales, recv_weights] =
+        dispatch_fp8(values, scales, topk_weights, handle_mem, group_name, handle_id, capacity, handle_key);
+    return {recv_values, recv_scales, recv_weights, expert_counts, total};
+  }
+  std::string error = prepare_error(check, *h, topk_idx, num_local_experts);
+  if (error.empty()) {
+    ArgCheck dispatch_check("dispatch_fp8", cfg);
+    check_fp8_inputs(dispatch_check, cfg, values, scales, topk_weights, capacity, topk_idx.size(0),
+                     "topk_idx.size(0), the tokens routed");
+    error = dispatch_check.error();
+  }
+  using Outputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+  return run_op(
+      *h, id, "prepare_dispatch_fp8", error,
+      [&] { return h->backend->prepare_dispatch_fp8(topk_idx, values, scales, topk_weights, handle_mem); },
+      []() -> Outputs { TORCH_INTERNAL_ASSERT(false, "te_ep: the local check mode runs no substitutes"); });
 }
 
 at::Tensor combine(
@@ -683,6 +720,7 @@ static void register_comm_ops(torch::Library& m) {
   m.impl("dispatch", &dispatch);
   m.impl("prepare_dispatch", &prepare_dispatch);
   m.impl("dispatch_fp8", &dispatch_fp8);
+  m.impl("prepare_dispatch_fp8", &prepare_dispatch_fp8);
   m.impl("combine", &combine);
   m.impl("dispatch_bwd", &dispatch_bwd);
   m.impl("combine_bwd", &combine_bwd);

@@ -60,6 +60,14 @@ TORCH_LIBRARY(te_ep, m) {
   m.def(
       "dispatch_fp8(Tensor values, Tensor scales, Tensor topk_weights, Tensor handle_mem, str group_name, "
       "int handle_id, int capacity, Tensor? handle_key=None) -> (Tensor recv_values, Tensor recv_scales, Tensor recv_weights)");
+  // prepare, then dispatch_fp8 of the routing it prepared (added in 0.3.0):
+  // ep_dispatch_fp8 without a prepared routing calls it, as prepare_dispatch
+  // is called for a bfloat16 dispatch.
+  m.def(
+      "prepare_dispatch_fp8(Tensor values, Tensor scales, Tensor topk_idx, Tensor topk_weights, "
+      "Tensor(a!) handle_mem, str group_name, int handle_id, int num_local_experts, int capacity, "
+      "Tensor? handle_key=None) -> (Tensor recv_values, Tensor recv_scales, Tensor recv_weights, "
+      "Tensor expert_counts, Tensor total)");
   m.def(
       "combine(Tensor expert_out, Tensor handle_mem, str group_name, int handle_id, "
       "int num_tokens, Tensor? handle_key=None) -> Tensor");

@@ -234,6 +234,7 @@ class NcclEpBackend final : public Backend {
     c10::cuda::CUDAGuard guard(cfg_.device);
     const auto ints = at::TensorOptions().dtype(at::kInt).device(cfg_.device);
     state_ = at::zeros({static_cast<int64_t>(sizeof(ne::HandleState) / sizeof(int32_t))}, ints);
+    raw_counts_ = at::zeros({cfg_.num_local_experts()}, ints);
     // One byte per token of the last prepare: 1 if none of its choices is
     // valid (combine writes no row for it; zero_unrouted_rows zeroes it).
     unrouted_ = at::zeros({std::max<int64_t>(cfg_.max_tokens_per_rank, 1)},
@@ -257,6 +258,7 @@ class NcclEpBackend final : public Backend {
       (void)handle_.release();
       new at::Tensor(std::move(handle_mem_));
       new at::Tensor(std::move(state_));
+      new at::Tensor(std::move(raw_counts_));
       new at::Tensor(std::move(unrouted_));
       checks_.leak_at_exit();
       return;
@@ -303,8 +305,8 @@ class NcclEpBackend final : public Backend {
     c10::cuda::CUDAGuard guard(cfg_.device);
     cudaStream_t stream = current_stream();
     const bool capturing = stream_is_capturing(stream);
-    auto [expert_counts, total] = exchange_routing(topk_idx, stream, capturing);
-    finish_prepare(expert_counts, total, ne::RowsPast{}, stream, capturing);
+    exchange_routing(topk_idx, stream, capturing);
+    auto [expert_counts, total] = finish_prepare(ne::RowsPast{}, stream, capturing);
     prepared_num_tokens_ = topk_idx.size(0);
     return {expert_counts, total};
   }
@@ -326,7 +328,8 @@ class NcclEpBackend final : public Backend {
   // them, then one kernel that finishes the prepare and zeroes the receive
   // rows past those in use. What dispatch's own zeroing kernel and prepare's
   // finish would do in two launches, between the two NCCL EP calls, is done
-  // after both; NCCL EP's dispatch needs neither.
+  // after both; NCCL EP's dispatch needs neither, nor prepare's outputs,
+  // which are allocated after it.
   std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> prepare_dispatch(
       const at::Tensor& topk_idx, const at::Tensor& tokens, const at::Tensor& topk_weights,
       at::Tensor& handle_mem) override {
@@ -336,16 +339,14 @@ class NcclEpBackend final : public Backend {
     c10::cuda::CUDAGuard guard(cfg_.device);
     cudaStream_t stream = current_stream();
     const bool capturing = stream_is_capturing(stream);
-    auto [expert_counts, total] = exchange_routing(topk_idx, stream, capturing);
+    exchange_routing(topk_idx, stream, capturing);
     auto [recv_tokens, recv_weights] = send_tokens(tokens, topk_weights, stream);
-    finish_prepare(expert_counts, total, dispatch_rows_past(recv_tokens, recv_weights), stream, capturing);
+    auto [expert_counts, total] =
+        finish_prepare(dispatch_rows_past(recv_tokens, recv_weights), stream, capturing);
     prepared_num_tokens_ = topk_idx.size(0);
     return {recv_tokens, recv_weights, expert_counts, total};
   }
 
-  // Zero-copy mode: the values (capacity * hidden bytes) and then the scales
-  // share the receive window, which the handle's dtype makes at least twice
-  // as wide as the values.
   std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_fp8(const at::Tensor& values, const at::Tensor& scales,
                                                               const at::Tensor& topk_weights,
                                                               const at::Tensor& handle_mem) override {
@@ -353,44 +354,31 @@ class NcclEpBackend final : public Backend {
     require_prepared("dispatch_fp8");
     c10::cuda::CUDAGuard guard(cfg_.device);
     cudaStream_t stream = current_stream();
-    const at::Tensor q = values.contiguous();
-    const at::Tensor s = scales.contiguous();
-    const at::Tensor w = topk_weights.contiguous();
-    const int64_t num_scales = cfg_.hidden / kFp8Block;
-    const int64_t scale_row_bytes = num_scales * static_cast<int64_t>(sizeof(float));
-    const uint64_t scales_offset = static_cast<uint64_t>(cfg_.capacity * cfg_.hidden);
-    at::Tensor recv_weights = at::empty({cfg_.capacity}, w.options());
-    at::Tensor recv_values;
-    at::Tensor recv_scales;
-    ne::Rows value_rows;
-    ne::Rows scale_rows;
-    if (zero_copy_) {
-      recv_window_.invalidate();
-      value_rows = recv_window_.rows();
-      scale_rows = value_rows.at_offset(scales_offset);
-      recv_values = recv_window_.hand_out_view(0, {cfg_.capacity, cfg_.hidden}, at::kFloat8_e4m3fn);
-      recv_scales = recv_window_.hand_out_view(scales_offset, {cfg_.capacity, num_scales}, at::kFloat);
-    } else {
-      recv_values = at::empty({cfg_.capacity, cfg_.hidden}, q.options());
-      recv_scales = at::empty({cfg_.capacity, num_scales}, s.options());
-      value_rows = ne::Rows::plain(recv_values.data_ptr());
-      scale_rows = ne::Rows::plain(recv_scales.data_ptr());
-    }
-    handle_->dispatch_forward_fp8(q.data_ptr(), s.data_ptr<float>(), q.size(0), cfg_.hidden, num_scales,
-                                  w.data_ptr<float>(), w.size(1), value_rows, scale_rows,
-                                  recv_weights.data_ptr<float>(), stream);
-    // Rows past the total are zeroed whatever NCCL EP left there: values and
-    // scales do not follow the bf16 row bookkeeping of the window (dirty_recv),
-    // which is therefore marked wholly dirty for the next bf16 dispatch.
-    ne::launch_zero_unused_rows(state(), recv_values.data_ptr(), cfg_.hidden, recv_weights.data_ptr<float>(),
-                                cfg_.capacity, nullptr, stream);
-    ne::launch_zero_unused_rows(state(), recv_scales.data_ptr(), scale_row_bytes, nullptr, cfg_.capacity, nullptr,
-                                stream);
-    if (zero_copy_) {
-      ne::launch_mark_dirty_rows(state(), &state()->dirty_recv, cfg_.capacity, /*whole=*/true, stream);
-    }
-    checks_.zero_if_poisoned({recv_values, recv_scales, recv_weights}, stream);
-    return {recv_values, recv_scales, recv_weights};
+    auto out = send_fp8(values, scales, topk_weights, stream);
+    zero_fp8_past(out, stream);
+    return out;
+  }
+
+  // prepare_dispatch's order for an FP8 dispatch (the local check mode): the
+  // guard, NCCL EP's routing exchange and FP8 dispatch back to back, then
+  // prepare's finish and the zeroing of the rows past those in use.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> prepare_dispatch_fp8(
+      const at::Tensor& topk_idx, const at::Tensor& values, const at::Tensor& scales, const at::Tensor& topk_weights,
+      at::Tensor& handle_mem) override {
+    (void)handle_mem;
+    TORCH_INTERNAL_ASSERT(checks_.mode() == Checks::kLocal,
+                          "te_ep: prepare_dispatch_fp8 fuses the local check mode only");
+    require_handle("prepare_dispatch_fp8");
+    c10::cuda::CUDAGuard guard(cfg_.device);
+    cudaStream_t stream = current_stream();
+    const bool capturing = stream_is_capturing(stream);
+    exchange_routing(topk_idx, stream, capturing);
+    auto out = send_fp8(values, scales, topk_weights, stream);
+    auto [expert_counts, total] = finish_prepare(ne::RowsPast{}, stream, capturing);
+    zero_fp8_past(out, stream);
+    prepared_num_tokens_ = topk_idx.size(0);
+    auto [recv_values, recv_scales, recv_weights] = out;
+    return {recv_values, recv_scales, recv_weights, expert_counts, total};
   }
 
   at::Tensor combine(const at::Tensor& expert_out, const at::Tensor& handle_mem, int64_t num_tokens) override {
@@ -441,16 +429,7 @@ class NcclEpBackend final : public Backend {
     c10::cuda::CUDAGuard guard(cfg_.device);
     cudaStream_t stream = current_stream();
     const at::Tensor g = grad_out.contiguous();
-    at::Tensor recv;
-    ne::Rows rows;
-    if (zero_copy_) {
-      combine_window_.invalidate();
-      recv = combine_window_.hand_out();
-      rows = combine_window_.rows();
-    } else {
-      recv = at::empty({cfg_.capacity, cfg_.hidden}, g.options());
-      rows = ne::Rows::plain(recv.data_ptr());
-    }
+    auto [recv, rows] = output_rows(combine_window_, g.options());
     handle_->dispatch_backward(g.data_ptr(), dtype_, g.size(0), cfg_.hidden, rows, stream);
     zero_past(rows_past(recv.data_ptr(), nullptr, zero_copy_ ? &state()->dirty_combine : nullptr), stream);
     checks_.zero_if_poisoned({recv}, stream);
@@ -486,27 +465,30 @@ class NcclEpBackend final : public Backend {
 
   // The ops that start a step (a new routing) rather than need one.
   static bool opens_step(const char* op) {
-    return std::strcmp(op, "prepare") == 0 || std::strcmp(op, "prepare_dispatch") == 0;
+    return std::strcmp(op, "prepare") == 0 || std::strcmp(op, "prepare_dispatch") == 0 ||
+           std::strcmp(op, "prepare_dispatch_fp8") == 0;
   }
 
   // The first half of prepare: the check's guard on `topk_idx`, then NCCL
-  // EP's routing exchange, which writes the counts (`total` is written by
-  // finish_prepare; the caller records the prepared tokens once it returns).
-  std::tuple<at::Tensor, at::Tensor> exchange_routing(const at::Tensor& topk_idx, cudaStream_t stream,
-                                                      bool capturing) {
-    const at::Tensor idx = checks_.check_routing(topk_idx.contiguous(), unrouted(), stream, capturing);
+  // EP's routing exchange, which writes its counts to raw_counts_ (the
+  // caller records the prepared tokens once finish_prepare returns). Nothing
+  // is allocated on the way to NCCL EP.
+  void exchange_routing(const at::Tensor& topk_idx, cudaStream_t stream, bool capturing) {
+    const at::Tensor idx = topk_idx.contiguous();
+    void* routed = checks_.check_routing(idx, unrouted(), stream, capturing);
+    handle_->update(routed, to_dtype(idx.scalar_type()), idx.size(0), idx.size(1),
+                    raw_counts_.data_ptr<int32_t>(), cfg_.num_local_experts(), &state()->recv_total_raw, stream);
+  }
+
+  // The second half: prepare's outputs (expert_counts, total), written by the
+  // finish kernel from raw_counts_ (which also zeroes `zero`).
+  std::tuple<at::Tensor, at::Tensor> finish_prepare(const ne::RowsPast& zero, cudaStream_t stream, bool capturing) {
     const auto int_options = at::TensorOptions().dtype(at::kInt).device(cfg_.device);
     at::Tensor expert_counts = at::empty({cfg_.num_local_experts()}, int_options);
     at::Tensor total = at::empty({1}, int_options);
-    handle_->update(idx.data_ptr(), to_dtype(idx.scalar_type()), idx.size(0), idx.size(1),
-                    expert_counts.data_ptr<int32_t>(), cfg_.num_local_experts(), &state()->recv_total_raw, stream);
+    checks_.finish_prepare(state(), raw_counts_.data_ptr<int32_t>(), expert_counts.data_ptr<int32_t>(),
+                           cfg_.num_local_experts(), total.data_ptr<int32_t>(), zero, stream, capturing);
     return {expert_counts, total};
-  }
-
-  void finish_prepare(at::Tensor& expert_counts, at::Tensor& total, const ne::RowsPast& zero, cudaStream_t stream,
-                      bool capturing) {
-    checks_.finish_prepare(state(), expert_counts.data_ptr<int32_t>(), cfg_.num_local_experts(),
-                           total.data_ptr<int32_t>(), zero, stream, capturing);
   }
 
   // NCCL EP's dispatch of `tokens` into the receive window (zero-copy) or a
@@ -517,19 +499,71 @@ class NcclEpBackend final : public Backend {
     const at::Tensor x = tokens.contiguous();
     const at::Tensor w = topk_weights.contiguous();
     at::Tensor recv_weights = at::empty({cfg_.capacity}, w.options());
-    at::Tensor recv_tokens;
-    ne::Rows rows;
-    if (zero_copy_) {
-      recv_window_.invalidate();
-      recv_tokens = recv_window_.hand_out();
-      rows = recv_window_.rows();
-    } else {
-      recv_tokens = at::empty({cfg_.capacity, cfg_.hidden}, x.options());
-      rows = ne::Rows::plain(recv_tokens.data_ptr());
-    }
+    auto [recv_tokens, rows] = output_rows(recv_window_, x.options());
     handle_->dispatch_forward(x.data_ptr(), dtype_, x.size(0), cfg_.hidden, w.data_ptr<float>(), w.size(1), rows,
                               recv_weights.data_ptr<float>(), stream);
     return {recv_tokens, recv_weights};
+  }
+
+  // NCCL EP's FP8 dispatch of values and scales into the receive window
+  // (zero-copy: the values, capacity * hidden bytes, then the scales, which
+  // the handle's dtype makes at least twice as wide as the values) or new
+  // buffers (staged); zero_fp8_past then zeroes the rows past those in use.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> send_fp8(const at::Tensor& values, const at::Tensor& scales,
+                                                          const at::Tensor& topk_weights, cudaStream_t stream) {
+    const at::Tensor q = values.contiguous();
+    const at::Tensor s = scales.contiguous();
+    const at::Tensor w = topk_weights.contiguous();
+    const int64_t num_scales = cfg_.hidden / kFp8Block;
+    const uint64_t scales_offset = static_cast<uint64_t>(cfg_.capacity * cfg_.hidden);
+    at::Tensor recv_weights = at::empty({cfg_.capacity}, w.options());
+    at::Tensor recv_values;
+    at::Tensor recv_scales;
+    ne::Rows value_rows;
+    ne::Rows scale_rows;
+    if (zero_copy_) {
+      recv_window_.invalidate();
+      value_rows = recv_window_.rows();
+      scale_rows = value_rows.at_offset(scales_offset);
+      recv_values = recv_window_.hand_out_view(0, {cfg_.capacity, cfg_.hidden}, at::kFloat8_e4m3fn);
+      recv_scales = recv_window_.hand_out_view(scales_offset, {cfg_.capacity, num_scales}, at::kFloat);
+    } else {
+      recv_values = at::empty({cfg_.capacity, cfg_.hidden}, q.options());
+      recv_scales = at::empty({cfg_.capacity, num_scales}, s.options());
+      value_rows = ne::Rows::plain(recv_values.data_ptr());
+      scale_rows = ne::Rows::plain(recv_scales.data_ptr());
+    }
+    handle_->dispatch_forward_fp8(q.data_ptr(), s.data_ptr<float>(), q.size(0), cfg_.hidden, num_scales,
+                                  w.data_ptr<float>(), w.size(1), value_rows, scale_rows,
+                                  recv_weights.data_ptr<float>(), stream);
+    return {recv_values, recv_scales, recv_weights};
+  }
+
+  // Rows past the total are zeroed whatever NCCL EP left there: values and
+  // scales do not follow the bf16 row bookkeeping of the window (dirty_recv),
+  // which is therefore marked wholly dirty for the next bf16 dispatch.
+  void zero_fp8_past(const std::tuple<at::Tensor, at::Tensor, at::Tensor>& out, cudaStream_t stream) {
+    const auto& [recv_values, recv_scales, recv_weights] = out;
+    const int64_t scale_row_bytes = cfg_.hidden / kFp8Block * static_cast<int64_t>(sizeof(float));
+    ne::launch_zero_unused_rows(state(), recv_values.data_ptr(), cfg_.hidden, recv_weights.data_ptr<float>(),
+                                cfg_.capacity, nullptr, stream);
+    ne::launch_zero_unused_rows(state(), recv_scales.data_ptr(), scale_row_bytes, nullptr, cfg_.capacity, nullptr,
+                                stream);
+    if (zero_copy_) {
+      ne::launch_mark_dirty_rows(state(), &state()->dirty_recv, cfg_.capacity, /*whole=*/true, stream);
+    }
+    checks_.zero_if_poisoned({recv_values, recv_scales, recv_weights}, stream);
+  }
+
+  // The [capacity, hidden] rows an NCCL EP call writes: `window` (zero-copy;
+  // its earlier tensors go stale) or a new tensor of `options` (staged).
+  std::tuple<at::Tensor, ne::Rows> output_rows(WindowRows& window, const at::TensorOptions& options) {
+    if (zero_copy_) {
+      window.invalidate();
+      return {window.hand_out(), window.rows()};
+    }
+    at::Tensor rows = at::empty({cfg_.capacity, cfg_.hidden}, options);
+    return {rows, ne::Rows::plain(rows.data_ptr())};
   }
 
   // What of a dispatch-like output needs zeroing past the rows in use: its
@@ -614,6 +648,9 @@ class NcclEpBackend final : public Backend {
   std::unique_ptr<ne::Handle> handle_;
   at::Tensor handle_mem_;
   at::Tensor state_;
+  // [num_local_experts] int32: NCCL EP's counts of the last prepare, before
+  // the finish kernel writes the op's own (clipped) copy.
+  at::Tensor raw_counts_;
   at::Tensor unrouted_;
   int64_t prepared_num_tokens_ = -1;
 };

@@ -6,6 +6,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
 #include <atomic>
 #include <climits>
 #include <cstring>
@@ -58,6 +59,8 @@ NcclEpChecks::NcclEpChecks(const HandleConfig& cfg, std::shared_ptr<ne::Communic
   c10::cuda::CUDAGuard guard(cfg_.device);
   const auto ints = at::TensorOptions().dtype(at::kInt).device(cfg_.device);
   scan_ = at::zeros({static_cast<int64_t>(sizeof(ne::CheckScan) / sizeof(int32_t))}, ints);
+  routed_ = at::empty({std::max<int64_t>(cfg_.max_tokens_per_rank * cfg_.top_k, 1)},
+                      at::TensorOptions().dtype(at::kLong).device(cfg_.device));
   if (mode_ == Checks::kSynchronous) return;
   record_ = at::zeros({cfg_.ep_size * ne::kRecordInts}, ints);
   const size_t sticky_bytes = static_cast<size_t>(ne::sticky_ints(cfg_.ep_size)) * sizeof(int32_t);
@@ -78,6 +81,7 @@ NcclEpChecks::~NcclEpChecks() {
 
 void NcclEpChecks::leak_at_exit() {
   new at::Tensor(std::move(scan_));
+  new at::Tensor(std::move(routed_));
   new at::Tensor(std::move(record_));
   sticky_ = nullptr;
   verdict_done_ = nullptr;
@@ -105,11 +109,13 @@ bool NcclEpChecks::agree_on_arguments(const char* op, const std::string& error) 
   }
   failed_here_ = failed_here_ || fails_now;
   c10::cuda::CUDAGuard guard(cfg_.device);
-  agree_on_device(op_code(op), fails_now, nullptr, current_stream(cfg_));
+  agree_on_device(op_code(op), fails_now, nullptr, false, 0, current_stream(cfg_));
   return failed_here_;
 }
 
-at::Tensor NcclEpChecks::check_routing(const at::Tensor& idx, uint8_t* unrouted, cudaStream_t stream, bool capturing) {
+void* NcclEpChecks::check_routing(const at::Tensor& idx, uint8_t* unrouted, cudaStream_t stream, bool capturing) {
+  TORCH_INTERNAL_ASSERT(idx.is_contiguous() && idx.dim() == 2 && idx.numel() <= routed_.numel(),
+                        "te_ep: check_routing takes at most max_tokens_per_rank rows of top_k ids");
   TORCH_CHECK(!(capturing && mode_ == Checks::kSynchronous), "te_ep.prepare: checks='synchronous' waits for the GPU "
               "in every op and cannot run under CUDA graph capture; create the handle with checks='device' or 'local'");
   // This step's argument error goes with the step: an earlier error raised
@@ -125,19 +131,21 @@ at::Tensor NcclEpChecks::check_routing(const at::Tensor& idx, uint8_t* unrouted,
     C10_CUDA_CHECK(cudaMemsetAsync(scan_.data_ptr(), 0, scan_.nbytes(), stream));
   }
   scan_dirty_ = true;
-  at::Tensor out = at::empty_like(idx);
-  ne::launch_check_routing(idx.data_ptr(), out.data_ptr(), idx.scalar_type() == at::kLong, idx.size(0), idx.size(1),
-                           cfg_.num_experts, scan(), unrouted, stream);
+  void* routed = routed_.data_ptr();
+  const bool is_int64 = idx.scalar_type() == at::kLong;
+  ne::launch_check_routing(idx.data_ptr(), routed, is_int64, idx.size(0), idx.size(1), cfg_.num_experts, scan(),
+                           unrouted, stream);
   if (mode_ == Checks::kSynchronous) {
     agree_on_scan_now(stream);
   } else if (mode_ == Checks::kDevice) {
-    agree_on_device(ne::kOpPrepare, argument_error, &out, stream);
+    agree_on_device(ne::kOpPrepare, argument_error, routed, is_int64, idx.numel(), stream);
   }
-  return out;
+  return routed;
 }
 
-void NcclEpChecks::finish_prepare(ne::HandleState* state, int32_t* expert_counts, int64_t num_local_experts,
-                                  int32_t* total_out, const ne::RowsPast& zero, cudaStream_t stream, bool capturing) {
+void NcclEpChecks::finish_prepare(ne::HandleState* state, const int32_t* raw_counts, int32_t* expert_counts,
+                                  int64_t num_local_experts, int32_t* total_out, const ne::RowsPast& zero,
+                                  cudaStream_t stream, bool capturing) {
   // Only the local mode's agreement fits in the finish's launch; the others
   // agree after it, before a dispatch may run.
   TORCH_INTERNAL_ASSERT(mode_ == Checks::kLocal || (zero.rows == nullptr && zero.weights == nullptr));
@@ -150,8 +158,8 @@ void NcclEpChecks::finish_prepare(ne::HandleState* state, int32_t* expert_counts
     local.handle = static_cast<int32_t>(cfg_.seq);
     local.step = steps_;
   }
-  ne::launch_finish_prepare(state, expert_counts, num_local_experts, total_out, cfg_.capacity, scan(), local, zero,
-                            stream);
+  ne::launch_finish_prepare(state, raw_counts, expert_counts, num_local_experts, total_out, cfg_.capacity, scan(),
+                            local, zero, stream);
   if (mode_ == Checks::kLocal) {
     scan_dirty_ = false;
     return;
@@ -160,14 +168,15 @@ void NcclEpChecks::finish_prepare(ne::HandleState* state, int32_t* expert_counts
     agree_on_scan_now(stream);
     return;
   }
-  agree_on_device(ne::kOpPrepare, false, nullptr, stream);
+  agree_on_device(ne::kOpPrepare, false, nullptr, false, 0, stream);
   if (!capturing) {
     C10_CUDA_CHECK(cudaEventRecord(verdict_done_, stream));
     verdict_pending_ = true;
   }
 }
 
-void NcclEpChecks::agree_on_device(int32_t op, bool argument_error, const at::Tensor* idx, cudaStream_t stream) {
+void NcclEpChecks::agree_on_device(int32_t op, bool argument_error, void* routed, bool is_int64, int64_t n,
+                                   cudaStream_t stream) {
   // The local mode keeps its own row alone, as a record of one rank.
   const bool agreed = mode_ == Checks::kDevice;
   const int64_t rows = agreed ? cfg_.ep_size : 1;
@@ -175,9 +184,8 @@ void NcclEpChecks::agree_on_device(int32_t op, bool argument_error, const at::Te
   ne::launch_publish_row(scan(), cfg_.top_k, agreed ? cfg_.rank : 0, rows, op, static_cast<int32_t>(cfg_.seq),
                          argument_error, record, stream);
   if (agreed) comm_->all_reduce_sum(record, static_cast<size_t>(rows * ne::kRecordInts), stream);
-  ne::launch_apply_verdict(record, rows, agreed, scan(), idx != nullptr ? idx->data_ptr() : nullptr,
-                           idx != nullptr && idx->scalar_type() == at::kLong, idx != nullptr ? idx->numel() : 0,
-                           sticky_device_, steps_, stream);
+  ne::launch_apply_verdict(record, rows, agreed, scan(), routed, is_int64, routed != nullptr ? n : 0, sticky_device_,
+                           steps_, stream);
 }
 
 void NcclEpChecks::agree_on_scan_now(cudaStream_t stream) {

@@ -46,19 +46,24 @@ class NcclEpChecks {
   // that the other ranks' collectives complete (the device mode).
   bool agree_on_arguments(const char* op, const std::string& error);
 
-  // prepare, before NCCL EP sees the routing `idx`: raises what an earlier
+  // prepare, before NCCL EP sees the routing `idx` (contiguous, at most
+  // max_tokens_per_rank rows of the handle's top_k): raises what an earlier
   // step recorded and is due now, runs the detection kernel (writing
-  // `unrouted`) and agrees on its finding. Returns the ids NCCL EP gets.
-  // `capturing`: whether `stream` is capturing a CUDA graph (asked once per
-  // prepare, by the caller).
-  at::Tensor check_routing(const at::Tensor& idx, uint8_t* unrouted, cudaStream_t stream, bool capturing);
-  // prepare, after ncclEpUpdateHandle: launch_finish_prepare (which records
+  // `unrouted`) and agrees on its finding. Returns the ids NCCL EP gets, in
+  // idx's shape and dtype, in a buffer of the handle that the next prepare
+  // overwrites (NCCL EP copies them in ncclEpUpdateHandle). `capturing`:
+  // whether `stream` is capturing a CUDA graph (asked once per prepare, by
+  // the caller).
+  void* check_routing(const at::Tensor& idx, uint8_t* unrouted, cudaStream_t stream, bool capturing);
+  // prepare, after ncclEpUpdateHandle wrote its counts to `raw_counts`:
+  // launch_finish_prepare (which writes expert_counts and total_out, records
   // any overflow in scan(); in the local mode it also keeps this rank's
   // verdict, in the same launch, and zeroes `zero`: the fused
   // prepare_dispatch's receive rows past those in use), then the mode's
   // agreement on the step.
-  void finish_prepare(nccl_ep::HandleState* state, int32_t* expert_counts, int64_t num_local_experts,
-                      int32_t* total_out, const nccl_ep::RowsPast& zero, cudaStream_t stream, bool capturing);
+  void finish_prepare(nccl_ep::HandleState* state, const int32_t* raw_counts, int32_t* expert_counts,
+                      int64_t num_local_experts, int32_t* total_out, const nccl_ep::RowsPast& zero,
+                      cudaStream_t stream, bool capturing);
 
   nccl_ep::CheckScan* scan() { return reinterpret_cast<nccl_ep::CheckScan*>(scan_.data_ptr()); }
   // The device mode: zeroes the outputs of a failed step.
@@ -72,7 +77,9 @@ class NcclEpChecks {
  private:
   // The verdict on this rank's row (the device mode: every rank's) of the
   // current agreement.
-  void agree_on_device(int32_t op, bool argument_error, const at::Tensor* idx, cudaStream_t stream);
+  // `routed`: prepare's routed ids (check_routing's, `n` of them, int64 or
+  // int32), which a failed step turns to -1; nullptr for the other ops.
+  void agree_on_device(int32_t op, bool argument_error, void* routed, bool is_int64, int64_t n, cudaStream_t stream);
   // The synchronous mode: this rank's finding, on the host, agreed by every rank.
   void agree_on_scan_now(cudaStream_t stream);
   // Raises the kept record if it holds one. `wait` (the device mode, at
@@ -89,6 +96,9 @@ class NcclEpChecks {
   Checks mode_;
   std::shared_ptr<nccl_ep::Communicator> comm_;
   at::Tensor scan_;         // one CheckScan
+  // [max_tokens_per_rank * top_k] int64: the routed ids of the last prepare
+  // (check_routing), int32 ids packed at its start when idx is int32.
+  at::Tensor routed_;
   at::Tensor record_;       // [W * kRecordInts] int32: the current agreement
   // [sticky_ints(W)] int32 in mapped pinned host memory: the first failing
   // step's record, written by the verdict kernels and read by the host

@@ -8,6 +8,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import te_ep_torch as te
 from te_ep_torch.group import nccl_ep_capacity_floor
@@ -300,3 +301,16 @@ def poison_next_alloc(device, nbytes: int, copies: int = 4) -> None:
     if not poisoned:
         raise AssertionError(f"poison_next_alloc: the next {nbytes}-byte block of the caching allocator on "
                              f"{device} was not the poisoned one; the check that relies on it would be void")
+
+
+class TeEpOps(TorchDispatchMode):
+    """Records the names of the te_ep ops called inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "te_ep":
+            self.names.append(func._opname)
+        return func(*args, **(kwargs or {}))

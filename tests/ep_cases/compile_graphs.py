@@ -10,6 +10,7 @@ import torch
 import te_ep_torch as te
 
 from .common import Step, all_inputs, check_equal, check_recv, expected_layout, fingerprint, make_group
+from .fp8 import zone_sorted
 from .dense import (
     Layer,
     assert_close_scaled,
@@ -154,7 +155,7 @@ def case_opcheck(ctx, which: int) -> None:
         out = ops.prepare_dispatch(x, idx, w, h.handle_mem, gname, h.id, El, cap)
         check_recv(f"rank {r}: prepare_dispatch", *out, expected_layout(idx_all, r, El, st.alignment, cap), w_all,
                    st.hidden, st.torch_dtype(), ordered=group.backend == "reference")
-        _opcheck_dispatch_fp8(ctx, st, group, idx, w)
+        _opcheck_dispatch_fp8(ctx, st, group, idx_all, w)
         group.shutdown()
 
 
@@ -166,11 +167,13 @@ FP8_OPCHECK_HIDDEN = 512
 _FP8_OPCHECK_UTILS = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
 
 
-def _opcheck_dispatch_fp8(ctx, st: Step, group, idx: torch.Tensor, w: torch.Tensor) -> None:
-    """opcheck of te_ep.dispatch_fp8 on an FP8 handle of ``group`` with the step's routing."""
+def _opcheck_dispatch_fp8(ctx, st: Step, group, idx_all, w: torch.Tensor) -> None:
+    """opcheck of te_ep.dispatch_fp8 and te_ep.prepare_dispatch_fp8 on an FP8 handle of ``group``
+    with the step's routing (``idx_all``: every rank's)."""
     from torch.library import opcheck
 
     r, dev, ops = ctx.rank, torch.device(ctx.device), torch.ops.te_ep
+    idx = idx_all[r].to(dev)
     where = f"rank {r} {st} dispatch_fp8"
     h = group.create_handle(top_k=st.top_k, hidden=FP8_OPCHECK_HIDDEN, dtype=st.torch_dtype(),
                             alignment=st.alignment, dispatch_dtype=torch.float8_e4m3fn)
@@ -191,6 +194,27 @@ def _opcheck_dispatch_fp8(ctx, st: Step, group, idx: torch.Tensor, w: torch.Tens
     rows = te.dequantize_fp8(recv_v, recv_s, st.torch_dtype())
     opcheck(ops.combine.default, (rows, h.handle_mem, gname, h.id, T))
     opcheck(ops.dispatch_fp8.default, (q, s, w, h.handle_mem, gname, -1, cap, h.key), test_utils=_FP8_OPCHECK_UTILS)
+    # ep_dispatch_fp8's one op: prepare and dispatch_fp8 together, the same rows as the two ops
+    El = group.num_local_experts
+    fused_args = (q, s, idx, w, h.handle_mem, gname, h.id, El, cap)
+    opcheck(ops.prepare_dispatch_fp8.default, fused_args, test_utils=_FP8_OPCHECK_UTILS)
+    opcheck(ops.prepare_dispatch_fp8.default, (q, s, idx, w, h.handle_mem, gname, -1, El, cap, h.key),
+            test_utils=_FP8_OPCHECK_UTILS)
+    ops.prepare(idx, h.handle_mem, gname, h.id, El)
+    two = [t.clone() for t in ops.dispatch_fp8(*args)]
+    got = ops.prepare_dispatch_fp8(*fused_args)
+    rows = [(v.cpu().view(torch.uint8), sc.cpu(), wt.cpu()) for v, sc, wt in (got[:3], two)]
+    if group.backend != "reference":  # NCCL EP may order a zone's rows differently in each call
+        layout = expected_layout(idx_all, r, El, st.alignment, cap)
+        rows = [zone_sorted(*x, layout) for x in rows]
+    for name, a, b in zip(("recv_values", "recv_scales", "recv_weights"), *rows):
+        check_equal(f"prepare_dispatch_fp8 {name} (as prepare, then dispatch_fp8)", a, b, where)
+    counts, total = ops.prepare(idx, h.handle_mem, gname, h.id, El)
+    check_equal("prepare_dispatch_fp8 expert_counts", got[3], counts, where)
+    check_equal("prepare_dispatch_fp8 total", got[4], total, where)
+    for name, t in zip(("recv_values", "recv_scales", "recv_weights", "expert_counts", "total"), got):
+        if t.numel() and t.untyped_storage().data_ptr() in inputs:
+            raise AssertionError(f"{where}: prepare_dispatch_fp8's {name} aliases an input")
 
 
 # ---------------------------------------------------------------------------

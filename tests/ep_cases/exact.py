@@ -6,13 +6,13 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import te_ep_torch as te
 
 from .common import (
     Layout,
     Step,
+    TeEpOps,
     all_inputs,
     capacity_for,
     check_equal,
@@ -307,24 +307,11 @@ def case_no_grad_path(ctx) -> None:
     # without its autograd Function; the prepared routing's dispatch alone with one.
     for requires_grad in (True, False):
         xx, ww = x.clone().requires_grad_(requires_grad), w.clone().requires_grad_(requires_grad)
-        with _TeEpOps() as called:
+        with TeEpOps() as called:
             te.ep_dispatch(handle, xx, idx, ww)
         assert called.names == ["prepare_dispatch"], f"{where}: requires_grad={requires_grad}: {called.names}"
         prepared = handle.prepare(idx)
-        with _TeEpOps() as called:
+        with TeEpOps() as called:
             te.ep_dispatch(handle, xx, idx, ww, prepared=prepared)
         assert called.names == ["dispatch"], f"{where}: requires_grad={requires_grad}, prepared: {called.names}"
     group.shutdown()
-
-
-class _TeEpOps(TorchDispatchMode):
-    """Records the names of the te_ep ops called inside it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "te_ep":
-            self.names.append(func._opname)
-        return func(*args, **(kwargs or {}))

@@ -18,7 +18,7 @@ import torch
 
 import te_ep_torch as te
 
-from .common import Step, all_inputs, capacity_for, check_equal, expected_layout, make_group, rng
+from .common import Step, TeEpOps, all_inputs, capacity_for, check_equal, expected_layout, make_group, rng
 
 
 def tokens_of(step: Step, src: int) -> torch.Tensor:
@@ -45,7 +45,7 @@ def _expected_rows(step: Step, layout, W: int, pow2: bool):
     return values, scales
 
 
-def _zone_sorted(values: torch.Tensor, scales: torch.Tensor, weights: torch.Tensor, layout):
+def zone_sorted(values: torch.Tensor, scales: torch.Tensor, weights: torch.Tensor, layout):
     """Rows of each zone sorted by their bytes (backends other than reference may reorder a zone)."""
     values, scales, weights = values.clone(), scales.clone(), weights.clone()
     off = 0
@@ -86,8 +86,8 @@ def case_fp8_dispatch_exact(ctx, steps: Sequence[Step], pow2: bool = False) -> N
                 exp_w[s] = w_all[slot[0]][slot[1], slot[2]]
         got_v, got_s, got_w = out.values.cpu().view(torch.uint8), out.scales.cpu(), out.weights.detach().cpu()
         if ctx.backend != "reference":
-            got_v, got_s, got_w = _zone_sorted(got_v, got_s, got_w, layout)
-            exp_v, exp_s, exp_w = _zone_sorted(exp_v, exp_s, exp_w, layout)
+            got_v, got_s, got_w = zone_sorted(got_v, got_s, got_w, layout)
+            exp_v, exp_s, exp_w = zone_sorted(exp_v, exp_s, exp_w, layout)
         check_equal("recv_values (bytes)", got_v, exp_v, where)
         check_equal("recv_scales (bits)", got_s.view(torch.int32), exp_s.view(torch.int32), where)
         check_equal("recv_weights", got_w, exp_w, where)
@@ -96,9 +96,25 @@ def case_fp8_dispatch_exact(ctx, steps: Sequence[Step], pow2: bool = False) -> N
                     te.dequantize_fp8(out.values, out.scales, step.torch_dtype()).cpu(), where)
         # Pre-quantized input takes the same path and gives the same bytes.
         q, s = te.quantize_fp8(x, pow2)
-        again = te.ep_dispatch_fp8(handle, q, idx_all[rank].to(ctx.device), w_all[rank].to(ctx.device), scales=s)
-        check_equal("pre-quantized values", again.values.view(torch.uint8), out.values.view(torch.uint8), where)
-        check_equal("pre-quantized scales", again.scales.view(torch.int32), out.scales.view(torch.int32), where)
+        idx, w = idx_all[rank].to(ctx.device), w_all[rank].to(ctx.device)
+        again = te.ep_dispatch_fp8(handle, q, idx, w, scales=s)
+        got_again = (again.values.cpu().view(torch.uint8), again.scales.cpu(), again.weights.detach().cpu())
+        if ctx.backend != "reference":
+            got_again = zone_sorted(*got_again, layout)
+        check_equal("pre-quantized values", got_again[0], got_v, where)
+        check_equal("pre-quantized scales", got_again[1].view(torch.int32), got_s.view(torch.int32), where)
+        # Which ops ep_dispatch_fp8 calls: the quantization, then one op (prepare_dispatch_fp8)
+        # without a prepared routing, with or without its autograd Function; dispatch_fp8 alone
+        # on a prepared one.
+        for requires_grad in (True, False):
+            xx, ww = x.clone().requires_grad_(requires_grad), w.clone().requires_grad_(requires_grad)
+            with TeEpOps() as called:
+                te.ep_dispatch_fp8(handle, xx, idx, ww, pow2_scales=pow2)
+            assert called.names == ["quantize_fp8", "prepare_dispatch_fp8"], f"{where}: {called.names}"
+            prepared = handle.prepare(idx)
+            with TeEpOps() as called:
+                te.ep_dispatch_fp8(handle, xx, idx, ww, prepared=prepared, pow2_scales=pow2)
+            assert called.names == ["quantize_fp8", "dispatch_fp8"], f"{where}, prepared: {called.names}"
         group.shutdown()
 
 
@@ -202,7 +218,7 @@ def case_fp8_tokens_dtype_one_rank(ctx) -> None:
 
     def received(out):
         v, sc, wt = out.values.cpu().view(torch.uint8), out.scales.cpu(), out.weights.detach().cpu()
-        return _zone_sorted(v, sc, wt, layout) if ctx.backend != "reference" else (v, sc, wt)
+        return zone_sorted(v, sc, wt, layout) if ctx.backend != "reference" else (v, sc, wt)
 
     clean = received(te.ep_dispatch_fp8(handle, x, idx, w))
     faults = [
