@@ -656,7 +656,10 @@ class EpHandle:
         ``window_bytes``: NCCL symmetric windows (zero-copy mode: the receive rows and the
         combine rows, ``2 * capacity * hidden * element size``; 0 otherwise);
         ``handle_mem_bytes``: the routing state. Staged and reference handles allocate
-        their receive buffers per call from the caching allocator instead.
+        their receive buffers per call from the caching allocator instead. Not counted: an
+        ``nccl_ep`` handle's small bookkeeping buffers (the routed ids of the last prepare,
+        ``max_tokens_per_rank * top_k * 8`` bytes, a byte per token, an int per local expert,
+        and the check records), from the caching allocator.
         """
         return {"window_bytes": self._window_bytes, "handle_mem_bytes": self._handle_mem_bytes}
 
