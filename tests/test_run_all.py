@@ -8,6 +8,7 @@ a pytest-like result line. What a real run adds (the steps' own work) is in resu
 import os
 import signal
 import subprocess
+import tarfile
 import time
 from collections import Counter
 
@@ -18,6 +19,10 @@ from _dist import REPO
 FAKE = r"""#!/usr/bin/env bash
 if [ "$1" = -c ]; then echo "$FAKE_NGPU"; exit 0; fi
 echo "start $(date +%s.%N) ${CUDA_VISIBLE_DEVICES:-} $*" >> "$FAKE_RECORD"
+if [ -n "${NCCL_EP_JIT_CACHE_DIR:-}" ]; then  # a step that finds the kernel cache adds a kernel to it
+  echo "$NCCL_EP_JIT_CACHE_DIR $(ls "$NCCL_EP_JIT_CACHE_DIR" | tr '\n' ' ')" >> "$FAKE_RECORD.cache"
+  touch "$NCCL_EP_JIT_CACHE_DIR/kernel.$$"
+fi
 if [[ " $* " == *"$FAKE_FAIL"* ]]; then echo "0 passed, 1 failed"; exit 1; fi
 sleep "$FAKE_SLEEP"
 echo "end $(date +%s.%N) ${CUDA_VISIBLE_DEVICES:-} $*" >> "$FAKE_RECORD"
@@ -142,10 +147,47 @@ def test_it_uses_the_gpus_it_was_given(tmp_path):
     assert sorted(g[0] for _, _, g, _ in _calls(record)) == ["5", "7"]
 
 
+def _cache_names(path):
+    with tarfile.open(path) as tar:
+        return sorted(os.path.basename(m.name) for m in tar.getmembers() if m.isfile())
+
+
+def test_the_kernel_cache_is_unpacked_before_the_parts_and_saved_after(tmp_path):
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "old.bin").write_text("a kernel")
+    cache = tmp_path / "cache.tgz"
+    subprocess.run(["tar", "czf", str(cache), "-C", str(old), "."], check=True)
+    proc, record = _run_all(tmp_path, 1, {"TE_EP_PARTS": "perm watchdog", "TE_EP_KERNEL_CACHE": str(cache)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    seen = (tmp_path / "record.cache").read_text().splitlines()
+    assert len(seen) == 2, seen
+    # Where NCCL_EP_JIT_CACHE_DIR is unset, the cache lives under the log directory; every
+    # step found the unpacked kernel there.
+    assert all(line.split()[0] == str(tmp_path / "logs" / "nccl_ep_jit") and "old.bin" in line.split()[1:]
+               for line in seen), seen
+    names = _cache_names(cache)
+    assert names[-1] == "old.bin" and len(names) == 3 and all(n.startswith("kernel.") for n in names[:2]), names
+    assert f"kernel cache saved to {cache}" in proc.stdout, proc.stdout
+    # A file that is not there yet is made; one that is no cache fails the run before any part.
+    fresh = tmp_path / "fresh.tgz"
+    proc, _ = _run_all(tmp_path, 1, {"TE_EP_PARTS": "perm", "TE_EP_KERNEL_CACHE": str(fresh),
+                                     "NCCL_EP_JIT_CACHE_DIR": str(tmp_path / "jit")})
+    assert proc.returncode == 0 and len(_cache_names(fresh)) == 1, proc.stdout + proc.stderr
+    bad = tmp_path / "bad.tgz"
+    bad.write_text("not a tarball")
+    (tmp_path / "record").unlink()
+    proc, record = _run_all(tmp_path, 1, {"TE_EP_PARTS": "perm", "TE_EP_KERNEL_CACHE": str(bad)})
+    assert proc.returncode == 1 and "TE_EP_KERNEL_CACHE must name a .tar.gz" in proc.stdout, proc.stdout
+    assert not record.exists(), "a part ran with a broken kernel cache"
+
+
 @pytest.mark.parametrize("sig,status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_stopped_it_ends_every_part_and_prints_what_ended(tmp_path, sig, status):
     # 3 GPUs: the FP8 part (2) and the permutation part (1) run, the watchdog part waits.
-    proc, record = _run_all(tmp_path, 3, {"TE_EP_PARTS": "perm fp8 watchdog"}, sleep="60", start=True)
+    cache = tmp_path / "cache.tgz"
+    proc, record = _run_all(tmp_path, 3, {"TE_EP_PARTS": "perm fp8 watchdog", "TE_EP_KERNEL_CACHE": str(cache)},
+                            sleep="60", start=True)
     deadline = time.monotonic() + 30
     while not (record.exists() and record.read_text().count("start") == 2):
         assert time.monotonic() < deadline and proc.poll() is None, "the parts did not start"
@@ -157,6 +199,7 @@ def test_stopped_it_ends_every_part_and_prints_what_ended(tmp_path, sig, status)
     for label in ("FP8 CUDA tests", "permutation CUDA tests", "watchdog GPU tests"):
         assert f"{label}".ljust(50) + " not run to its end" in out, out
     assert not list((tmp_path / "logs").glob(".summary.*")), "the summary directory was left behind"
+    assert len(_cache_names(cache)) == 2, "a stopped run did not save the kernels its parts compiled"
     left = subprocess.run(["pgrep", "-f", f"sleep 60"], capture_output=True, text=True).stdout.split()
     mine = [p for p in left if str(tmp_path) in open(f"/proc/{p}/environ", "rb").read().decode(errors="replace")]
     assert not mine, "a step outlived the stopped run"

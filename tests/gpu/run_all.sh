@@ -36,7 +36,10 @@
 # 3.5 MB) before starting, or the nccl_ep suite's first check mode pays its compilation (about
 # 150 s for the --quick cases at W=2, about 100 s for the whole suite at W=4; docs/results.md).
 # Parts side by side write the cache safely (NCCL EP writes each kernel to a temporary file and
-# renames it).
+# renames it). TE_EP_KERNEL_CACHE=FILE keeps the cache in FILE (a .tar.gz) across machines: FILE,
+# where it exists, is unpacked into NCCL_EP_JIT_CACHE_DIR (set to $LOG/nccl_ep_jit where unset)
+# before the first part, and FILE is rewritten with the whole cache when the run ends or is
+# stopped, so the next machine starts warm (a cold cache cost about 250 s per nccl_ep mode at W=4).
 if [ "${1:-}" = "--quick" ]; then
   export TE_EP_SUITE_CASES=${TE_EP_SUITE_CASES:-"routing_exact fp8_dispatch_exact cuda_graph check_modes device_checks_op_arguments bad_input_tokens_dtype capacity_overflow"}
   export TE_EP_FAULT_CASES=${TE_EP_FAULT_CASES:-"expert_id_out_of_range tokens_dtype_one_rank rank_exits_mid_step"}
@@ -70,6 +73,25 @@ MODES=${TE_EP_NCCL_EP_MODES:-staged zero_copy}
 CHECKS=${TE_EP_CHECKS:-local device synchronous}
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 SUM=$(mktemp -d "$LOG/.summary.XXXXXX")  # a part's summary lines, one file per part
+CACHE=${TE_EP_KERNEL_CACHE:-}
+if [ -n "$CACHE" ]; then
+  export NCCL_EP_JIT_CACHE_DIR=${NCCL_EP_JIT_CACHE_DIR:-$LOG/nccl_ep_jit}
+  mkdir -p "$NCCL_EP_JIT_CACHE_DIR"
+  if [ -e "$CACHE" ] && ! tar xzf "$CACHE" -C "$NCCL_EP_JIT_CACHE_DIR"; then
+    echo "TE_EP_KERNEL_CACHE must name a .tar.gz that run_all.sh wrote (or a file not there yet), got '$CACHE'"
+    rm -rf "$SUM"
+    exit 1
+  fi
+fi
+# The cache back into TE_EP_KERNEL_CACHE, through a temporary file (a stopped run keeps the old one whole).
+save_cache() {
+  [ -n "$CACHE" ] || return 0
+  if tar czf "$CACHE.tmp" -C "$NCCL_EP_JIT_CACHE_DIR" . && mv "$CACHE.tmp" "$CACHE"; then
+    echo "kernel cache saved to $CACHE"
+  else
+    echo "kernel cache not saved to $CACHE"
+  fi
+}
 
 # run <name> <log> <command...>: one step of a part, its output appended to <log>; its summary
 # line is printed and kept in the part's file ($SUM/$PART). A part's steps are named after the
@@ -180,7 +202,7 @@ print_summary() {
   echo "total ${SECONDS}s"
 }
 # After the last part, and when the run is stopped (process_tree.sh calls it).
-after_stop() { print_summary; rm -rf "$SUM"; }
+after_stop() { print_summary; rm -rf "$SUM"; save_cache; }
 
 # The scheduler: start every queued part whose GPUs are free (most GPUs first, then queue
 # order), each in a subshell of its own with its CUDA_VISIBLE_DEVICES; poll for ends.
