@@ -112,6 +112,15 @@ def _events_ms(fn: Callable[[], object], device: torch.device, queued: bool,
     return start.elapsed_time(end), host
 
 
+class Call(NamedTuple):
+    """One call to time (interleaved_median_ms): the call, what runs ahead of it outside the
+    timed region, and the name of the NVTX range around it (None: no range)."""
+
+    fn: Callable[[], object]
+    before: Optional[Callable[[], object]] = None
+    nvtx: Optional[str] = None
+
+
 def median_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: int, *, ranks: bool,
               before: Optional[Callable[[], object]] = None, idle: bool = True, queued: bool = False,
               nvtx: Optional[str] = None) -> Timing:
@@ -124,46 +133,57 @@ def median_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters
     ``ranks``: every call starts after a barrier and each median is the slowest
     rank's. ``nvtx``: each timed call on a GPU inside an NVTX range of that name.
     """
-    for _ in range(warmup):
-        if before is not None:
-            before()
-        fn()
+    return interleaved_median_ms([Call(fn, before, nvtx)], device, warmup, iters, ranks=ranks, idle=idle,
+                                 queued=queued)[0]
+
+
+def interleaved_median_ms(calls: Sequence[Call], device: torch.device, warmup: int, iters: int, *, ranks: bool,
+                          idle: bool = True, queued: bool = False) -> List[Timing]:
+    """median_ms of each of `calls`, the calls taking turns: each iteration times every call
+    once (in order, and in the reverse order every other iteration), so that a drift of the
+    machine over the iterations weighs on every call alike and their ratios hold it out.
+    Each call's `warmup` untimed calls come first, in order."""
+    for call in calls:
+        for _ in range(warmup):
+            if call.before is not None:
+                call.before()
+            call.fn()
     synchronize(device)
 
-    def ready() -> None:
-        if before is not None:
-            before()
+    def ready(call: Call) -> None:
+        if call.before is not None:
+            call.before()
         if ranks:
             dist.barrier()
         synchronize(device)
 
-    times: List[float] = []
-    host: List[float] = []
-    queued_times: List[float] = []
-    for _ in range(iters):
-        if device.type != "cuda":
-            ready()
-            t0 = time.perf_counter()
-            fn()
-            wall = (time.perf_counter() - t0) * 1e3
-            times.append(wall)
-            host.append(wall)
-            queued_times.append(wall)
-            continue
-        if idle:
-            ready()
-            gpu, on_host = _events_ms(fn, device, queued=False, nvtx=nvtx)
-            times.append(gpu)
-            host.append(on_host)
-        if queued:
-            ready()
-            queued_times.append(_events_ms(fn, device, queued=True, nvtx=nvtx)[0])
-    medians = [statistics.median(v) if v else math.nan for v in (times, host, queued_times)]
+    samples: List[Tuple[List[float], List[float], List[float]]] = [([], [], []) for _ in calls]
+    for i in range(iters):
+        for j in (range(len(calls)) if i % 2 == 0 else reversed(range(len(calls)))):
+            call, (times, host, queued_times) = calls[j], samples[j]
+            if device.type != "cuda":
+                ready(call)
+                t0 = time.perf_counter()
+                call.fn()
+                wall = (time.perf_counter() - t0) * 1e3
+                times.append(wall)
+                host.append(wall)
+                queued_times.append(wall)
+                continue
+            if idle:
+                ready(call)
+                gpu, on_host = _events_ms(call.fn, device, queued=False, nvtx=call.nvtx)
+                times.append(gpu)
+                host.append(on_host)
+            if queued:
+                ready(call)
+                queued_times.append(_events_ms(call.fn, device, queued=True, nvtx=call.nvtx)[0])
+    medians = [[statistics.median(v) if v else math.nan for v in per_call] for per_call in samples]
     if ranks:
         result = torch.tensor(medians, dtype=torch.float64, device=device)
         dist.all_reduce(result, op=dist.ReduceOp.MAX)
         medians = result.tolist()
-    return Timing(*medians)
+    return [Timing(*m) for m in medians]
 
 
 class Column(NamedTuple):

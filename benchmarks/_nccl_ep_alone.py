@@ -7,8 +7,9 @@ tokens per rank rounded up to a multiple of 4, a receive budget of
 ``capacity`` rows, ``hidden * element size`` row bytes, the handle's zone
 alignment, and ``max_num_sms`` left to NCCL EP (as te_ep does). It departs from te_ep
 where te_ep's extra work is what the comparison is meant to price: the
-overflow policy is always TRAP (the benchmark's routing is fixed and fits;
-te_ep uses DROP below the worst-case capacity), every buffer and descriptor is
+overflow policy is TRAP (the benchmark's routing is fixed and fits; te_ep uses
+DROP below the worst-case capacity; ``overflow_drop=True`` asks for DROP, to
+price that policy on its own), every buffer and descriptor is
 made once (a timed call is the library call alone), and nothing zeroes the
 rows past the last zone.
 
@@ -85,7 +86,8 @@ class NcclEpAlone:
     """One NCCL EP group and expert-major handle over fixed tokens and routing (collective)."""
 
     def __init__(self, *, tokens: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 num_experts: int, capacity: int, alignment: int, zero_copy: bool, flat: bool = False) -> None:
+                 num_experts: int, capacity: int, alignment: int, zero_copy: bool, flat: bool = False,
+                 overflow_drop: bool = False) -> None:
         import nccl.ep as ep
 
         self.zero_copy = zero_copy
@@ -111,7 +113,7 @@ class NcclEpAlone:
                 max_token_bytes=hidden * tokens.element_size(),
                 max_num_sms=0,
                 zero_copy=ep.ZeroCopyMode.ON if zero_copy else ep.ZeroCopyMode.OFF,
-                overflow_policy=ep.OverflowPolicy.TRAP,
+                overflow_policy=ep.OverflowPolicy.DROP if overflow_drop else ep.OverflowPolicy.TRAP,
             ))
             if zero_copy:
                 self.recv, recv_desc = self._window_rows(slots, hidden, tokens.dtype, device)

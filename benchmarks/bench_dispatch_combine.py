@@ -28,6 +28,10 @@ with the same receive capacity and zone alignment, runs through
   than te_ep's own C++ call. Its ``x alone`` is the most te_ep's op structure
   allows; a te_ep row's ``x alone`` below it is what te_ep's wrapper costs
   (Python, torch's dispatcher, argument checks, allocations);
+* ``nccl.ep-drop/MODE`` (only with ``--backends ... nccl_ep_drop``) NCCL EP alone
+  with te_ep's overflow policy: DROP below the worst-case capacity (TRAP at it),
+  where nccl.ep runs TRAP. Its ``x alone`` is what that policy costs NCCL EP
+  itself; a te_ep row's ``x alone`` below it is what te_ep adds beyond it;
 * ``nccl.ep-flat/MODE`` (only with ``--backends ... nccl_ep_flat``) the other
   route NCCL EP offers to expert-major rows: its FLAT layout (one slot per token
   and destination rank) and then te_ep's ``permute`` into the same rows; combine
@@ -73,8 +77,11 @@ Rows (ops), each the median over barrier-aligned iterations of the slowest rank:
   column is bytes read + written over the time (HBM traffic), to hold against the
   device's copy bandwidth.
 
-Each iteration starts after a barrier and a device synchronisation and is timed
-with CUDA events (``--device cpu``: wall clock); the GPU is idle when the timed
+A round builds every variant and checks it, then times them together, op by op:
+the variants that have the op take turns call by call (in the reverse order every
+other iteration), so a drift of the machine during the iterations weighs on every
+variant alike and a ratio of two variants holds it out. Every timed call starts
+after a barrier and a device synchronisation and is timed with CUDA events (``--device cpu``: wall clock); the GPU is idle when the timed
 call starts, so a row's time includes the op's host path up to its first kernel.
 ``host ms`` is the median wall time of the call on the host alone (Python, argument
 checks, launches, no synchronisation): the share of the row that a CPU running
@@ -92,7 +99,7 @@ is reported, not fatal.
 Ratios (time of the other / time of the row; > 1: the row is faster):
 ``x a2a`` and ``x dedup`` hold dispatch against the baseline's dispatch and
 combine / combine_copy against its combine; ``x alone`` holds a te_ep row (and
-the nccl.ep+floor row) against nccl.ep's row of the same op and mode (combine_copy against nccl.ep's
+the nccl.ep+floor and nccl.ep-drop rows) against nccl.ep's row of the same op and mode (combine_copy against nccl.ep's
 zero-copy combine, so it prices te_ep's copy into the window). Below the
 worst-case capacity te_ep runs NCCL EP with the DROP overflow policy (in the
 staged mode NCCL EP then zero-fills the receive buffer on every dispatch) while
@@ -119,10 +126,11 @@ done, and ``--csv`` is rewritten then (one line per variant and op).
 ``--rounds R`` repeats the whole set of variants R times, each round building them afresh,
 every other round in the reverse order. Each number is then the median over the rounds of
 that round's median, and each ratio the median of the rounds' own ratios (two variants timed
-within one round, so a drift of the machine between the variants' turns cancels out); the
-lowest and highest ``x alone`` (and its queued ratio) of the rounds are printed under the table. Within a round the
-variants are timed one after the other, so use several rounds for a verdict on a ratio close to 1
-(docs/benchmarks.md).
+within one round); the lowest and highest ``x alone`` (and its queued ratio) of the rounds are
+printed under the table. New variants of a round (new groups, buffers and windows) can run
+faster or slower than those of the last, so use several rounds for a verdict on a ratio close
+to 1 (docs/benchmarks.md). Every variant of a round is alive at once: its memory is the sum of
+theirs.
 
 ``--device cpu`` runs on gloo (reference and the baselines; the NCCL EP
 variants are skipped): it tests the script, its numbers mean nothing. NVLink
@@ -155,9 +163,12 @@ DTYPE = torch.bfloat16
 MODES = ("staged", "zero_copy", "auto")
 # Execution order: the variants least likely to take the process down first, so
 # that their numbers are printed (progress lines) whatever happens later.
-BACKENDS = ("all_to_all", "a2a_dedup", "reference", "nccl_ep", "nccl_ep_alone", "nccl_ep_floor", "nccl_ep_flat")
+BACKENDS = ("all_to_all", "a2a_dedup", "reference", "nccl_ep", "nccl_ep_alone", "nccl_ep_floor", "nccl_ep_drop",
+            "nccl_ep_flat")
 # The backends that drive NCCL EP through nccl.ep (NcclEpAloneVariant).
-ALONE_BACKENDS = ("nccl_ep_alone", "nccl_ep_floor", "nccl_ep_flat")
+ALONE_BACKENDS = ("nccl_ep_alone", "nccl_ep_floor", "nccl_ep_drop", "nccl_ep_flat")
+# The alone variants whose rows are held against nccl.ep's (an x alone of their own).
+PRICED_BACKENDS = ("nccl_ep_floor", "nccl_ep_drop")
 DEFAULT_BACKENDS = ["nccl_ep", "nccl_ep_alone", "all_to_all", "a2a_dedup"]
 OPS = ("prepare", "quantize", "dispatch_op", "dispatch", "combine", "combine_copy")
 CHECK_TOLERANCE = 1e-2  # relative to max |top_k * x|; bf16 keeps 8 significant bits
@@ -237,11 +248,6 @@ class Op:
             self.setup()
         return self.fn()
 
-    def time(self, args, device: torch.device, label: str) -> Timing:
-        """Its device, host and queued times (_common.median_ms), every iteration barrier-aligned;
-        with ``--nvtx``, each timed call inside an NVTX range named ``label``."""
-        return _common.median_ms(self.fn, device, args.warmup, args.iters, ranks=True, before=self.setup,
-                                 queued=True, nvtx=label if args.nvtx else None)
 
 
 def peer_copy_gbps(device: torch.device, nbytes: int = 1 << 30, iters: int = 10) -> Optional[float]:
@@ -401,11 +407,12 @@ class NcclEpAloneVariant(Variant):
     """NCCL EP through nccl.ep / nccl.core alone (benchmarks/_nccl_ep_alone.py); with the
     nccl_ep_flat backend its FLAT layout + te_ep's permute / unpermute (the other route to
     expert-major rows); with nccl_ep_floor, plus the CUDA calls te_ep's checks and watchdog
-    add (see the module's docstring)."""
+    add; with nccl_ep_drop, te_ep's overflow policy (see the module's docstring)."""
 
     kind = "nccl.ep"
 
-    def __init__(self, spec: VariantSpec, shape: Shape, routing: Routing, capacity: int, alignment: int) -> None:
+    def __init__(self, spec: VariantSpec, shape: Shape, routing: Routing, capacity: int, alignment: int,
+                 world: int) -> None:
         if routing.tokens.device.type != "cuda":
             raise Skip("NCCL EP needs --device cuda")
         reason = _nccl_ep_alone.unavailable()
@@ -420,6 +427,7 @@ class NcclEpAloneVariant(Variant):
             tokens=routing.tokens, topk_idx=routing.topk_idx, topk_weights=routing.topk_weights,
             num_experts=shape.experts, capacity=capacity, alignment=alignment, zero_copy=spec.mode == "zero_copy",
             flat=spec.backend == "nccl_ep_flat",
+            overflow_drop=spec.backend == "nccl_ep_drop" and capacity < worst_case_capacity(shape, world, alignment),
         )
 
     def dispatch(self) -> torch.Tensor:
@@ -623,7 +631,8 @@ class VariantSpec:
             shown = asked if actual_mode in ("", asked) else f"{asked}->{actual_mode}"
             return f"{'te_ep-fp8' if self.fp8 else 'te_ep'}/{shown}{self.suffix}"
         if self.backend in ALONE_BACKENDS:
-            name = {"nccl_ep_alone": "nccl.ep", "nccl_ep_floor": "nccl.ep+floor", "nccl_ep_flat": "nccl.ep-flat"}
+            name = {"nccl_ep_alone": "nccl.ep", "nccl_ep_floor": "nccl.ep+floor", "nccl_ep_drop": "nccl.ep-drop",
+                    "nccl_ep_flat": "nccl.ep-flat"}
             return f"{name[self.backend]}/{self.mode}{self.suffix}"
         return self.backend
 
@@ -685,7 +694,7 @@ def make_variant(spec: VariantSpec, shape: Shape, routing: Routing, capacity: in
         return AllToAllDedup(shape, routing, world, capacity, args.alignment)
     with env_setting(spec.env):
         if spec.backend in ALONE_BACKENDS:
-            return NcclEpAloneVariant(spec, shape, routing, capacity, args.alignment)
+            return NcclEpAloneVariant(spec, shape, routing, capacity, args.alignment, world)
         make = TeEpFp8 if spec.fp8 else TeEp
         return make(spec, shape, routing, capacity, args.alignment)
 
@@ -725,18 +734,33 @@ def roundtrip_error(op: Op, routing: Routing, top_k: int, device: torch.device) 
     return float(result.item())
 
 
-def measure(variant: Variant, routing: Routing, shape: Shape, args, device: torch.device
-            ) -> Tuple[Dict[str, Timing], float]:
-    """({op: its times}, check error) of one variant."""
+def check_variant(variant: Variant, routing: Routing, shape: Shape) -> float:
+    """The variant's round trip error (roundtrip_error, the largest over its combine ops)."""
     # Identity experts: the expert output is what arrived, in a tensor of its own.
     variant.set_expert_output(variant.dispatch().clone())
-    ops = variant.ops()
-    error = max(roundtrip_error(op, routing, shape.top_k, device) for name, op in ops.items()
-                if name.startswith("combine"))
-    timings = {name: op.time(args, device, f"{variant.label} {name}") for name, op in ops.items()}
-    if args.profile:
-        profile_ops(variant.label, ops, args.profile, device, args.trace)
-    return timings, error
+    device = routing.tokens.device
+    return max(roundtrip_error(op, routing, shape.top_k, device) for name, op in variant.ops().items()
+               if name.startswith("combine"))
+
+
+def time_variants(variants: List[Variant], args, device: torch.device) -> List[Dict[str, Timing]]:
+    """{op: its times} of each variant (_common.interleaved_median_ms, every iteration
+    barrier-aligned): op by op in OPS order, the variants that have the op taking turns
+    call by call, so that the ratio of two variants holds the machine's drift out. Each
+    variant's ops run in the order in which each finds the state it needs. With
+    ``--nvtx``, each timed call inside an NVTX range named '<variant> <op>'."""
+    ops = [v.ops() for v in variants]
+    timings: List[Dict[str, Timing]] = [{} for _ in variants]
+    for name in OPS:
+        having = [i for i, o in enumerate(ops) if name in o]
+        calls = [_common.Call(ops[i][name].fn, ops[i][name].setup,
+                              f"{variants[i].label} {name}" if args.nvtx else None) for i in having]
+        if not calls:
+            continue
+        for i, t in zip(having, _common.interleaved_median_ms(calls, device, args.warmup, args.iters, ranks=True,
+                                                              queued=True)):
+            timings[i][name] = t
+    return timings
 
 
 def trace_path(trace_dir: str, label: str, op: str, rank: int) -> str:
@@ -784,10 +808,16 @@ def profile_ops(label: str, ops: Dict[str, "Op"], iters: int, device: torch.devi
                 print(f"     {getattr(e, key) / iters:9.1f} us  x{e.count / iters:4.1f}  {e.key[:90]}")
 
 
+def worst_case_capacity(shape: Shape, world: int, alignment: int) -> int:
+    """The receive rows any routing of ``shape`` fits in (te_ep's ``worst_case_capacity``)."""
+    local = shape.experts // world
+    return world * shape.tokens * min(shape.top_k, local) + local * (alignment - 1)
+
+
 def fit_capacity(routing: Routing, shape: Shape, world: int, args, device: torch.device) -> int:
     local = shape.experts // world
     if args.worst_case_capacity:
-        return world * shape.tokens * min(shape.top_k, local) + local * (args.alignment - 1)
+        return worst_case_capacity(shape, world, args.alignment)
     need = torch.tensor([routing.recv_rows], device=device)
     dist.all_reduce(need, op=dist.ReduceOp.MAX)
     # NCCL EP's receive budget may not be below its send budget (T rounded up to 4).
@@ -834,31 +864,55 @@ def run_shape(shape: Shape, args, world: int, rank: int, device: torch.device, c
 
 def run_variants(specs: List[VariantSpec], shape: Shape, routing: Routing, capacity: int, args, world: int,
                  rank: int, device: torch.device, skipped: Dict[str, str]) -> List["Result"]:
-    """Builds, measures and closes each variant in turn; the ones that did not run go to `skipped`."""
-    results = []
-    for spec in specs:
-        variant, error, everywhere = on_every_rank(lambda: make_variant(spec, shape, routing, capacity, args, world))
-        label = spec.row_label() if variant is None else variant.label
-        if variant is not None:
-            kind, mode, cap = variant.kind, variant.mode, variant.capacity
-            with torch.no_grad():
-                measured, error, everywhere = on_every_rank(lambda: measure(variant, routing, shape, args, device))
-            # Teardown is collective: not where some rank failed (it would not join).
-            if everywhere:
-                variant.close()
-            del variant
+    """Builds and checks each variant in turn, times them all together (time_variants), then
+    closes them; the ones that did not run go to `skipped`."""
+    built: List[Tuple[VariantSpec, Variant, float]] = []
+
+    def skip(label: str, error: str) -> None:
+        skipped.setdefault(label, error)
+        if rank == 0:
+            print(f"  {label}: not run: {error}", flush=True)
+
+    def close(variant: Variant) -> None:
+        variant.close()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        if error:
-            skipped.setdefault(label, error)
-            if rank == 0:
-                print(f"  {label}: not run: {error}", flush=True)
+
+    for spec in specs:
+        variant, error, everywhere = on_every_rank(lambda: make_variant(spec, shape, routing, capacity, args, world))
+        if variant is None:
+            skip(spec.row_label(), error)
             continue
-        timings, check = measured
-        results.append(Result(label, kind, mode, spec, cap, timings, check))
-        if rank == 0:
-            ms = "  ".join(f"{op} {t.ms:.3f}" for op, t in timings.items())
-            print(f"  {label}: {ms} ms; check {check:.1e}", flush=True)
+        with torch.no_grad():
+            check, error, everywhere = on_every_rank(lambda: check_variant(variant, routing, shape))
+        if error:
+            # Teardown is collective: not where some rank failed (it would not join).
+            if everywhere:
+                close(variant)
+            skip(variant.label, error)
+            continue
+        built.append((spec, variant, check))
+    variants = [variant for _, variant, _ in built]
+
+    def time_and_profile() -> List[Dict[str, Timing]]:
+        timed = time_variants(variants, args, device)
+        for variant in variants if args.profile else ():
+            profile_ops(variant.label, variant.ops(), args.profile, device, args.trace)
+        return timed
+
+    with torch.no_grad():
+        timed, error, everywhere = on_every_rank(time_and_profile)
+    results = []
+    for (spec, variant, check), timings in zip(built, timed or [None] * len(built)):
+        if error:
+            skip(variant.label, error)
+        else:
+            results.append(Result(variant.label, variant.kind, variant.mode, spec, variant.capacity, timings, check))
+            if rank == 0:
+                ms = "  ".join(f"{op} {t.ms:.3f}" for op, t in timings.items())
+                print(f"  {variant.label}: {ms} ms; check {check:.1e}", flush=True)
+        if everywhere:
+            close(variant)
     return results
 
 
@@ -921,7 +975,7 @@ def table_rows(shape: Shape, results: List[Result], logical_bytes: float, remote
     for r in sorted(results, key=lambda r: kind_order[r.kind]):
         bf16 = by_label.get(r.label.replace("te_ep-fp8/", "te_ep/", 1)) if r.kind == "te_ep-fp8" else None
         alone = None
-        if (r.kind == "te_ep" or r.spec.backend == "nccl_ep_floor") and r.mode in ("staged", "zero_copy"):
+        if (r.kind == "te_ep" or r.spec.backend in PRICED_BACKENDS) and r.mode in ("staged", "zero_copy"):
             alone = by_label.get(VariantSpec("nccl_ep_alone", r.mode, r.spec.env_spec).row_label())
         for op in OPS:
             if op not in r.timings:
@@ -1007,7 +1061,9 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", default=DEFAULT_BACKENDS, choices=list(BACKENDS),
                         help="nccl_ep: te_ep on NCCL EP, once per --modes entry; nccl_ep_alone: NCCL EP through "
                              "nccl.ep alone; nccl_ep_floor: NCCL EP alone plus the CUDA calls te_ep's checks and "
-                             "watchdog add (zero_copy only); nccl_ep_flat: NCCL EP's FLAT layout and te_ep's permute; "
+                             "watchdog add (zero_copy only); nccl_ep_drop: NCCL EP alone with te_ep's overflow policy "
+                             "(DROP below the worst-case capacity); nccl_ep_flat: NCCL EP's FLAT layout and te_ep's "
+                             "permute; "
                              "reference: te_ep's torch.distributed backend; all_to_all, a2a_dedup: the baselines")
     parser.add_argument("--modes", nargs="+", default=["staged", "zero_copy"], choices=list(MODES),
                         help="nccl_ep_mode of the te_ep rows (and the modes of the nccl.ep rows)")

@@ -84,15 +84,52 @@ def test_a_variant_missing_from_a_round_counts_its_own_rounds():
     assert math.isclose(rows[TE_EP.row_label()]["x_alone"], 0.9)  # the round without NCCL EP has no ratio
 
 
+class _FakeVariant(bench.Variant):
+    """Ops that record their calls, in ``log``."""
+
+    def __init__(self, label, names, log):
+        super().__init__(label)
+        self.names, self.log = names, log
+
+    def ops(self):
+        return {name: bench.Op(lambda name=name: self.log.append((self.label, name))) for name in self.names}
+
+
 def test_nvtx_names_each_timed_call_only_when_asked(monkeypatch):
     # With --nvtx, nsys attributes the host calls inside a range to '<variant> <op>'.
     seen = []
-    monkeypatch.setattr(bench._common, "median_ms", lambda *a, **kw: seen.append(kw["nvtx"]) or Timing(1, 1, 1))
-    op = bench.Op(lambda: None)
+
+    def fake(calls, *a, **kw):
+        seen.extend(call.nvtx for call in calls)
+        return [Timing(1, 1, 1)] * len(calls)
+
+    monkeypatch.setattr(bench._common, "interleaved_median_ms", fake)
+    variant = _FakeVariant("te_ep/zero_copy", ["dispatch"], [])
     for nvtx in (True, False):
         args = bench.argparse.Namespace(warmup=0, iters=1, nvtx=nvtx)
-        op.time(args, bench.torch.device("cpu"), "te_ep/zero_copy dispatch")
+        bench.time_variants([variant], args, bench.torch.device("cpu"))
     assert seen == ["te_ep/zero_copy dispatch", None]
+
+
+def test_the_variants_take_turns_op_by_op(tmp_path):
+    # Op by op in OPS order; within an op, the variants that have it take turns call by call,
+    # in the reverse order every other iteration (so a drift weighs on each alike).
+    log = []
+    a = _FakeVariant("a", ["combine", "prepare", "dispatch"], log)
+    b = _FakeVariant("b", ["dispatch", "combine"], log)
+    args = bench.argparse.Namespace(warmup=1, iters=3, nvtx=False)
+    dist = bench.dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        timings = bench.time_variants([a, b], args, bench.torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+    assert [sorted(t) for t in timings] == [["combine", "dispatch", "prepare"], ["combine", "dispatch"]]
+    per_op = [("a", "prepare")] * 4
+    for op in ("dispatch", "combine"):
+        per_op += [("a", op), ("b", op)]  # the warm-up calls, each variant's in turn
+        per_op += [("a", op), ("b", op), ("b", op), ("a", op), ("a", op), ("b", op)]
+    assert log == per_op
 
 
 FLOOR = bench.VariantSpec("nccl_ep_floor", "zero_copy")
@@ -120,3 +157,40 @@ def test_the_floor_follows_the_zero_copy_structure_only():
     labels = [spec.row_label() for spec in bench.variant_specs(args)]
     assert labels == ["te_ep/staged", "te_ep/zero_copy", "nccl.ep/staged", "nccl.ep/zero_copy",
                       "nccl.ep+floor/zero_copy"]
+
+
+DROP = bench.VariantSpec("nccl_ep_drop", "zero_copy")
+
+
+def test_the_drop_row_is_held_against_nccl_ep_alone():
+    # nccl.ep-drop (NCCL EP alone under te_ep's overflow policy) gets an x alone of its own: what
+    # DROP costs NCCL EP itself, against which a te_ep row's x alone is read.
+    results = [
+        bench.Result(DROP.row_label(), "nccl.ep", "zero_copy", DROP, 100, {"dispatch": Timing(1.0, 0.2, 0.9)}, 1e-3),
+        bench.Result(ALONE.row_label(), "nccl.ep", "zero_copy", ALONE, 100, {"dispatch": Timing(0.8, 0.1, 0.6)}, 1e-3),
+    ]
+    rows = {row["variant"]: row for row in bench.table_rows(SHAPE, results, 1e9, 5e8, None)}
+    assert DROP.row_label() == "nccl.ep-drop/zero_copy"
+    assert math.isclose(rows[DROP.row_label()]["x_alone"], 0.8)
+    assert math.isclose(rows[DROP.row_label()]["x_alone_queued"], 0.6 / 0.9)
+
+
+def test_the_drop_row_asks_for_drop_below_the_worst_case_capacity_only(monkeypatch):
+    # te_ep's rule: DROP where a routing could overflow the capacity, TRAP where none can.
+    made = []
+
+    class FakeAlone:
+        def __init__(self, **kw):
+            made.append(kw)
+
+    monkeypatch.setattr(bench._nccl_ep_alone, "unavailable", lambda: "")
+    monkeypatch.setattr(bench._nccl_ep_alone, "NcclEpAlone", FakeAlone)
+    monkeypatch.setattr(bench.torch.cuda, "Event", lambda *a, **kw: None)
+    on_gpu = type("Tokens", (), {"device": bench.torch.device("cuda")})()  # no GPU needed: NcclEpAlone is a fake
+    routing = bench.argparse.Namespace(tokens=on_gpu, topk_idx=None, topk_weights=None)
+    world, alignment = 4, 1
+    worst = bench.worst_case_capacity(SHAPE, world, alignment)
+    assert worst == world * SHAPE.tokens * min(SHAPE.top_k, SHAPE.experts // world)
+    for spec, capacity in ((DROP, worst - 1), (DROP, worst), (ALONE, worst - 1)):
+        bench.NcclEpAloneVariant(spec, SHAPE, routing, capacity, alignment, world)
+    assert [kw["overflow_drop"] for kw in made] == [True, False, False]
