@@ -81,8 +81,9 @@ A round builds every variant and checks it, then times them together, op by op:
 the variants that have the op take turns call by call (in the reverse order every
 other iteration), so a drift of the machine during the iterations weighs on every
 variant alike and a ratio of two variants holds it out. Every timed call starts
-after a barrier and a device synchronisation and is timed with CUDA events (``--device cpu``: wall clock); the GPU is idle when the timed
-call starts, so a row's time includes the op's host path up to its first kernel.
+after a barrier and a device synchronisation and is timed with CUDA events
+(``--device cpu``: wall clock); the GPU is idle when the timed call starts, so a
+row's time includes the op's host path up to its first kernel.
 ``host ms`` is the median wall time of the call on the host alone (Python, argument
 checks, launches, no synchronisation): the share of the row that a CPU running
 ahead of the GPU hides in a training step. ``queued`` is the median time of the
@@ -99,8 +100,8 @@ is reported, not fatal.
 Ratios (time of the other / time of the row; > 1: the row is faster):
 ``x a2a`` and ``x dedup`` hold dispatch against the baseline's dispatch and
 combine / combine_copy against its combine; ``x alone`` holds a te_ep row (and
-the nccl.ep+floor and nccl.ep-drop rows) against nccl.ep's row of the same op and mode (combine_copy against nccl.ep's
-zero-copy combine, so it prices te_ep's copy into the window). Below the
+the nccl.ep+floor and nccl.ep-drop rows) against nccl.ep's row of the same op and mode
+(combine_copy against nccl.ep's zero-copy combine, so it prices te_ep's copy into the window). Below the
 worst-case capacity te_ep runs NCCL EP with the DROP overflow policy (in the
 staged mode NCCL EP then zero-fills the receive buffer on every dispatch) while
 nccl.ep uses TRAP; te_ep also zeroes receive rows past the last zone and the
@@ -247,7 +248,6 @@ class Op:
         if self.setup is not None:
             self.setup()
         return self.fn()
-
 
 
 def peer_copy_gbps(device: torch.device, nbytes: int = 1 << 30, iters: int = 10) -> Optional[float]:
@@ -809,9 +809,10 @@ def profile_ops(label: str, ops: Dict[str, "Op"], iters: int, device: torch.devi
 
 
 def worst_case_capacity(shape: Shape, world: int, alignment: int) -> int:
-    """The receive rows any routing of ``shape`` fits in (te_ep's ``worst_case_capacity``)."""
-    local = shape.experts // world
-    return world * shape.tokens * min(shape.top_k, local) + local * (alignment - 1)
+    """The receive rows no routing of ``shape`` can overflow (te_ep's own rule)."""
+    from te_ep_torch import ops
+
+    return ops.worst_case_capacity(world, shape.tokens, shape.top_k, shape.experts // world, alignment)
 
 
 def fit_capacity(routing: Routing, shape: Shape, world: int, args, device: torch.device) -> int:
