@@ -21,17 +21,19 @@ TE_EP = bench.VariantSpec("nccl_ep", "zero_copy")
 ALONE = bench.VariantSpec("nccl_ep_alone", "zero_copy")
 
 
+def _dispatch_result(spec, timing, check=1e-3):
+    """A variant's Result with a dispatch time only (its kind from the spec's backend)."""
+    kind = "te_ep" if spec.backend == "nccl_ep" else "nccl.ep"
+    return bench.Result(spec.row_label(), kind, "zero_copy", spec, 100, {"dispatch": timing}, check)
+
+
 def _round(te_ep_ms, alone_ms, check=1e-3, queued=None):
     """One round's table rows: te_ep and (unless alone_ms is None) NCCL EP alone, dispatch only.
     ``queued``: (te_ep, alone) queued times, else half of each ms."""
     te_q, alone_q = queued if queued else (te_ep_ms / 2, None if alone_ms is None else alone_ms / 2)
-    results = [
-        bench.Result(TE_EP.row_label(), "te_ep", "zero_copy", TE_EP, 100,
-                     {"dispatch": Timing(te_ep_ms, te_ep_ms / 2, te_q)}, check),
-    ]
+    results = [_dispatch_result(TE_EP, Timing(te_ep_ms, te_ep_ms / 2, te_q), check)]
     if alone_ms is not None:
-        results.append(bench.Result(ALONE.row_label(), "nccl.ep", "zero_copy", ALONE, 100,
-                                    {"dispatch": Timing(alone_ms, alone_ms / 2, alone_q)}, 1e-3))
+        results.append(_dispatch_result(ALONE, Timing(alone_ms, alone_ms / 2, alone_q)))
     return bench.table_rows(SHAPE, results, logical_bytes=1e9, remote_bytes=5e8, copy_gbps=None)
 
 
@@ -139,9 +141,9 @@ def test_the_floor_row_is_held_against_nccl_ep_alone():
     # nccl.ep+floor (NCCL EP alone plus te_ep's own CUDA calls) gets an x alone of its own, so a
     # te_ep row's x alone can be read against it: 0.8 / 1.0 and 0.8 / 0.9 here.
     results = [
-        bench.Result(TE_EP.row_label(), "te_ep", "zero_copy", TE_EP, 100, {"dispatch": Timing(1.0, 0.3, 0.9)}, 1e-3),
-        bench.Result(FLOOR.row_label(), "nccl.ep", "zero_copy", FLOOR, 100, {"dispatch": Timing(0.9, 0.2, 0.8)}, 1e-3),
-        bench.Result(ALONE.row_label(), "nccl.ep", "zero_copy", ALONE, 100, {"dispatch": Timing(0.8, 0.1, 0.8)}, 1e-3),
+        _dispatch_result(TE_EP, Timing(1.0, 0.3, 0.9)),
+        _dispatch_result(FLOOR, Timing(0.9, 0.2, 0.8)),
+        _dispatch_result(ALONE, Timing(0.8, 0.1, 0.8)),
     ]
     rows = {row["variant"]: row for row in bench.table_rows(SHAPE, results, 1e9, 5e8, None)}
     assert FLOOR.row_label() == "nccl.ep+floor/zero_copy"
@@ -166,8 +168,8 @@ def test_the_drop_row_is_held_against_nccl_ep_alone():
     # nccl.ep-drop (NCCL EP alone under te_ep's overflow policy) gets an x alone of its own: what
     # DROP costs NCCL EP itself, against which a te_ep row's x alone is read.
     results = [
-        bench.Result(DROP.row_label(), "nccl.ep", "zero_copy", DROP, 100, {"dispatch": Timing(1.0, 0.2, 0.9)}, 1e-3),
-        bench.Result(ALONE.row_label(), "nccl.ep", "zero_copy", ALONE, 100, {"dispatch": Timing(0.8, 0.1, 0.6)}, 1e-3),
+        _dispatch_result(DROP, Timing(1.0, 0.2, 0.9)),
+        _dispatch_result(ALONE, Timing(0.8, 0.1, 0.6)),
     ]
     rows = {row["variant"]: row for row in bench.table_rows(SHAPE, results, 1e9, 5e8, None)}
     assert DROP.row_label() == "nccl.ep-drop/zero_copy"
