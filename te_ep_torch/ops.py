@@ -48,6 +48,18 @@ __all__ = [
 # FP8 dispatch and the quantize ops scale blocks of this many values of a row.
 FP8_BLOCK = 128
 
+# The communication ops' overloads, looked up once: the wrappers below run on every step,
+# where resolving ``torch.ops.te_ep.<name>`` each call is a measurable share of the host time.
+_te_ep = torch.ops.te_ep
+_PREPARE = _te_ep.prepare.default
+_DISPATCH = _te_ep.dispatch.default
+_PREPARE_DISPATCH = _te_ep.prepare_dispatch.default
+_DISPATCH_FP8 = _te_ep.dispatch_fp8.default
+_PREPARE_DISPATCH_FP8 = _te_ep.prepare_dispatch_fp8.default
+_COMBINE = _te_ep.combine.default
+_DISPATCH_BWD = _te_ep.dispatch_bwd.default
+_COMBINE_BWD = _te_ep.combine_bwd.default
+
 
 # ---- typed wrappers: communication ops ---------------------------------------------
 
@@ -142,7 +154,7 @@ def prepare(
     :attr:`~te_ep_torch.EpHandle.key` with ``handle_id=-1``, which torch.compile treats as
     data rather than a constant (docs/ops.md, "One graph for every layer").
     """
-    return torch.ops.te_ep.prepare(topk_idx, handle_mem, group_name, handle_id, num_local_experts, handle_key)
+    return _PREPARE(topk_idx, handle_mem, group_name, handle_id, num_local_experts, handle_key)
 
 
 def dispatch(
@@ -150,7 +162,7 @@ def dispatch(
     handle_key: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Sends tokens to experts; returns ``(recv_tokens [capacity, H], recv_weights [capacity])``."""
-    return torch.ops.te_ep.dispatch(tokens, topk_weights, handle_mem, group_name, handle_id, capacity, handle_key)
+    return _DISPATCH(tokens, topk_weights, handle_mem, group_name, handle_id, capacity, handle_key)
 
 
 def prepare_dispatch(
@@ -162,8 +174,8 @@ def prepare_dispatch(
     Under ``checks="local"`` one op (on ``nccl_ep``, NCCL EP's two calls back to back);
     otherwise the two ops, each agreed on across ranks as on its own (docs/ops.md).
     """
-    return torch.ops.te_ep.prepare_dispatch(tokens, topk_idx, topk_weights, handle_mem, group_name, handle_id,
-                                            num_local_experts, capacity, handle_key)
+    return _PREPARE_DISPATCH(tokens, topk_idx, topk_weights, handle_mem, group_name, handle_id, num_local_experts,
+                             capacity, handle_key)
 
 
 def dispatch_fp8(
@@ -171,8 +183,7 @@ def dispatch_fp8(
     capacity: int, handle_key: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """FP8 dispatch: ``(recv_values [capacity, H] e4m3, recv_scales [capacity, H / 128] f32, recv_weights)``."""
-    return torch.ops.te_ep.dispatch_fp8(values, scales, topk_weights, handle_mem, group_name, handle_id, capacity,
-                                        handle_key)
+    return _DISPATCH_FP8(values, scales, topk_weights, handle_mem, group_name, handle_id, capacity, handle_key)
 
 
 def prepare_dispatch_fp8(
@@ -181,14 +192,14 @@ def prepare_dispatch_fp8(
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``prepare`` then ``dispatch_fp8`` in one call, as :func:`prepare_dispatch` for bfloat16:
     ``(recv_values, recv_scales, recv_weights, expert_counts, total)``."""
-    return torch.ops.te_ep.prepare_dispatch_fp8(values, scales, topk_idx, topk_weights, handle_mem, group_name,
-                                                handle_id, num_local_experts, capacity, handle_key)
+    return _PREPARE_DISPATCH_FP8(values, scales, topk_idx, topk_weights, handle_mem, group_name, handle_id,
+                                 num_local_experts, capacity, handle_key)
 
 
 def combine(expert_out: Tensor, handle_mem: Tensor, group_name: str, handle_id: int, num_tokens: int,
             handle_key: Optional[Tensor] = None) -> Tensor:
     """Returns expert outputs to their tokens and sums them: ``[num_tokens, H]``."""
-    return torch.ops.te_ep.combine(expert_out, handle_mem, group_name, handle_id, num_tokens, handle_key)
+    return _COMBINE(expert_out, handle_mem, group_name, handle_id, num_tokens, handle_key)
 
 
 def dispatch_bwd(
@@ -202,7 +213,7 @@ def dispatch_bwd(
     handle_key: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Backward of dispatch: ``(grad_tokens [T, H], grad_topk_weights [T, K])``."""
-    return torch.ops.te_ep.dispatch_bwd(
+    return _DISPATCH_BWD(
         grad_recv_tokens, grad_recv_weights, handle_mem, group_name, handle_id, num_tokens, top_k, handle_key
     )
 
@@ -210,7 +221,7 @@ def dispatch_bwd(
 def combine_bwd(grad_out: Tensor, handle_mem: Tensor, group_name: str, handle_id: int, capacity: int,
                 handle_key: Optional[Tensor] = None) -> Tensor:
     """Backward of combine: ``[capacity, H]``, each slot receiving its token's gradient."""
-    return torch.ops.te_ep.combine_bwd(grad_out, handle_mem, group_name, handle_id, capacity, handle_key)
+    return _COMBINE_BWD(grad_out, handle_mem, group_name, handle_id, capacity, handle_key)
 
 
 def quantize_fp8(x: Tensor, pow2_scales: bool = False) -> Tuple[Tensor, Tensor]:

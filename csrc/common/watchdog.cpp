@@ -42,7 +42,7 @@ constexpr auto kIdlePeriod = std::chrono::milliseconds(500);
 struct HostOp {
   Clock::time_point entered;
   int64_t timeout_ms = 0;
-  std::string what;
+  std::shared_ptr<const std::string> what;
   long thread_id = 0;
   bool reported = false;  // kWarn reports an op once
 };
@@ -55,7 +55,7 @@ struct Marker {
   int device = 0;
   Clock::time_point entered;  // the op's entry on the host: its limit counts from there
   int64_t timeout_ms = 0;
-  std::string what;
+  std::shared_ptr<const std::string> what;
   Clock::time_point seen_pending;  // when the last query that found it pending started
   bool reported = false;
 };
@@ -125,7 +125,7 @@ void ending(std::ostringstream& msg, Action act) {
 
 std::string host_message(const HostOp& op, Clock::time_point now, Action act) {
   std::ostringstream msg;
-  start_message(msg, op.what);
+  start_message(msg, *op.what);
   msg << " has not returned on the host " << seconds(now - op.entered) << " s after it was entered";
   limit(msg, op.timeout_ms);
   msg << "Its thread (Linux thread id " << op.thread_id
@@ -139,7 +139,7 @@ std::string host_message(const HostOp& op, Clock::time_point now, Action act) {
 #if TE_EP_WITH_CUDA
 std::string gpu_message(const Marker& m, Clock::time_point now, Action act, Clock::duration query_blocked) {
   std::ostringstream msg;
-  start_message(msg, m.what);
+  start_message(msg, *m.what);
   msg << " has not finished on GPU " << m.device << " " << seconds(now - m.entered)
       << " s after it was entered on the host";
   limit(msg, m.timeout_ms);
@@ -339,7 +339,7 @@ const char* action_name(Action act) {
   return "?";
 }
 
-std::unique_ptr<Op> Op::enter(int64_t timeout_ms, std::string what) {
+std::unique_ptr<Op> Op::enter(int64_t timeout_ms, std::shared_ptr<const std::string> what) {
   if (action() == Action::kOff || timeout_ms <= 0) return nullptr;
   const auto now = Clock::now();
   // Asked of the kernel once per thread: a system call on every op would cost
@@ -356,7 +356,7 @@ std::unique_ptr<Op> Op::enter(int64_t timeout_ms, std::string what) {
   return std::unique_ptr<Op>(new Op(id, now, timeout_ms, std::move(what)));
 }
 
-Op::Op(uint64_t id, Clock::time_point entered, int64_t timeout_ms, std::string what)
+Op::Op(uint64_t id, Clock::time_point entered, int64_t timeout_ms, std::shared_ptr<const std::string> what)
     : id_(id), entered_(entered), timeout_ms_(timeout_ms), what_(std::move(what)) {}
 
 Op::~Op() {

@@ -61,9 +61,10 @@ class Op {
  public:
   // Registers an op entered now, with a limit of `timeout_ms` (> 0). `what`
   // names it for the message, e.g. "te_ep.dispatch on handle 3 of group 'ep'
-  // (rank 1 of 2)". nullptr under action kOff, for timeout_ms <= 0, or once
-  // the process is exiting.
-  static std::unique_ptr<Op> enter(int64_t timeout_ms, std::string what);
+  // (rank 1 of 2)"; it is shared, never copied, so that a caller entering
+  // the same op on every step builds the name once. nullptr under action
+  // kOff, for timeout_ms <= 0, or once the process is exiting.
+  static std::unique_ptr<Op> enter(int64_t timeout_ms, std::shared_ptr<const std::string> what);
   ~Op();
   Op(const Op&) = delete;
   Op& operator=(const Op&) = delete;
@@ -76,12 +77,13 @@ class Op {
 #endif
 
  private:
-  Op(uint64_t id, std::chrono::steady_clock::time_point entered, int64_t timeout_ms, std::string what);
+  Op(uint64_t id, std::chrono::steady_clock::time_point entered, int64_t timeout_ms,
+     std::shared_ptr<const std::string> what);
 
   uint64_t id_;
   std::chrono::steady_clock::time_point entered_;
   int64_t timeout_ms_;
-  std::string what_;
+  std::shared_ptr<const std::string> what_;
 };
 
 // Stops watching (the process is exiting: the CUDA runtime may already be

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -154,6 +155,22 @@ std::unique_ptr<Backend> make_reference_backend(const HandleConfig& cfg);
 // passes the process group's), else torch's default process-group timeout.
 // nullptr under TE_EP_WATCHDOG=off. (comm_ops.cpp)
 std::unique_ptr<watchdog::Op> enter_watched_op(const HandleConfig& cfg, const char* op, int64_t handle_id);
+
+// enter_watched_op for the ops a handle runs on every step: each op's name is
+// built on its first call and shared by the later ones (comm_ops.cpp).
+class WatchedOps {
+ public:
+  std::unique_ptr<watchdog::Op> enter(const HandleConfig& cfg, const char* op, int64_t handle_id);
+
+ private:
+  struct Name {
+    std::string op;
+    int64_t handle_id;
+    std::shared_ptr<const std::string> text;
+  };
+  std::mutex mutex_;
+  std::vector<Name> names_;
+};
 
 // ---- agreement on the host (agreement.cpp), over the handle's process group -----
 // Every rank's `local` message, in rank order (truncated to 1023 bytes).

@@ -109,15 +109,45 @@ constexpr int64_t kDefaultWatchdogMs = 10 * 60 * 1000;
 
 }  // namespace
 
-std::unique_ptr<watchdog::Op> enter_watched_op(const HandleConfig& cfg, const char* op, int64_t handle_id) {
-  if (watchdog::action() == watchdog::Action::kOff) return nullptr;
-  // Built on every op: plain appends, no stream.
+namespace {
+
+std::shared_ptr<const std::string> watched_op_name(const HandleConfig& cfg, const char* op, int64_t handle_id) {
   std::string what = "te_ep.";
   what += op;
   if (handle_id >= 0) what += " on handle " + std::to_string(handle_id);
   what += " of group '" + cfg.group_name + "' (rank " + std::to_string(cfg.rank) + " of " +
           std::to_string(cfg.ep_size) + ")";
-  return watchdog::Op::enter(cfg.timeout_ms > 0 ? cfg.timeout_ms : kDefaultWatchdogMs, std::move(what));
+  return std::make_shared<const std::string>(std::move(what));
+}
+
+std::unique_ptr<watchdog::Op> enter_named(const HandleConfig& cfg, std::shared_ptr<const std::string> name) {
+  return watchdog::Op::enter(cfg.timeout_ms > 0 ? cfg.timeout_ms : kDefaultWatchdogMs, std::move(name));
+}
+
+}  // namespace
+
+std::unique_ptr<watchdog::Op> enter_watched_op(const HandleConfig& cfg, const char* op, int64_t handle_id) {
+  if (watchdog::action() == watchdog::Action::kOff) return nullptr;
+  return enter_named(cfg, watched_op_name(cfg, op, handle_id));
+}
+
+std::unique_ptr<watchdog::Op> WatchedOps::enter(const HandleConfig& cfg, const char* op, int64_t handle_id) {
+  if (watchdog::action() == watchdog::Action::kOff) return nullptr;
+  std::shared_ptr<const std::string> text;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const Name& name : names_) {
+      if (name.handle_id == handle_id && name.op == op) {
+        text = name.text;
+        break;
+      }
+    }
+    if (text == nullptr) {
+      text = watched_op_name(cfg, op, handle_id);
+      names_.push_back(Name{op, handle_id, text});
+    }
+  }
+  return enter_named(cfg, std::move(text));
 }
 
 namespace {

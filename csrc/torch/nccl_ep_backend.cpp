@@ -442,7 +442,7 @@ class NcclEpBackend final : public Backend {
   }
 
   std::unique_ptr<watchdog::Op> watch(const char* op, int64_t handle_id) override {
-    return enter_watched_op(cfg_, op, handle_id);
+    return watched_ops_.enter(cfg_, op, handle_id);
   }
 
   void watch_launched(watchdog::Op& op) override {
@@ -653,6 +653,7 @@ class NcclEpBackend final : public Backend {
   at::Tensor raw_counts_;
   at::Tensor unrouted_;
   int64_t prepared_num_tokens_ = -1;
+  WatchedOps watched_ops_;
 };
 
 // "" if `ptr` is CUDA VMM (cuMem) memory, the kind symmetric windows are made of; else why
