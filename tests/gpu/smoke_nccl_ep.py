@@ -22,6 +22,11 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
+# A script torchrun starts: the repository root (an in-place build) first on the import path,
+# as tests/gpu/run_suite.py puts it, so that every part of run_all.sh tests this tree rather
+# than whatever te_ep_torch the environment holds.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 

@@ -24,6 +24,11 @@ for _name, _value in (
 ):
     os.environ.setdefault(_name, _value)
 
+# A script torchrun starts: the repository root (an in-place build) first on the import path,
+# as tests/gpu/run_suite.py puts it, so that every part of run_all.sh tests this tree rather
+# than whatever te_ep_torch the environment holds.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
