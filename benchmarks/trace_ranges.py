@@ -8,7 +8,7 @@ Reads two kinds of trace of ``bench_dispatch_combine.py``, where every call of a
 
       torchrun --nproc-per-node=2 benchmarks/bench_dispatch_combine.py --shapes main \
           --backends nccl_ep nccl_ep_alone --profile 20 --trace traces
-      python3 benchmarks/trace_ranges.py traces/*.json.gz [NAME_SUBSTRING ...]
+      python3 benchmarks/trace_ranges.py traces/*.json.gz [--names SUBSTRING ...] [--timeline]
 
 * nsys's sqlite export of a ``--nvtx`` run (``nsys profile -t cuda,nvtx,osrt -o trace torchrun
   ... --nvtx``, then ``nsys export --type sqlite -o trace.sqlite trace.nsys-rep``).
@@ -21,6 +21,12 @@ only: inclusive times) and what the process's other threads did during the range
 torch.profiler only: their CUDA calls and torch ops, by thread) that took the most time.
 From nsys it reads the tables StringIds, NVTX_EVENTS, CUPTI_ACTIVITY_KIND_RUNTIME and, where
 present, OSRT_API, CUPTI_ACTIVITY_KIND_KERNEL / _MEMSET / _MEMCPY.
+
+``--timeline`` prints, instead, when each host event of a call came (its CUDA calls, and from
+torch.profiler its torch ops too) and when the GPU work it launched began, in us from the
+range's start. Each is a median over the calls whose events came in the commonest order. With
+the GPU idle at each call (how ``--profile`` calls), that shows what runs on the host before an
+op's first kernel.
 """
 
 from __future__ import annotations
@@ -45,9 +51,12 @@ def _inside(calls: list, start: int, end: int) -> list:
 
 
 def _range_row(start: int, end: int, calls: Sequence[Tuple[int, int, str, object]],
-               gpu: Dict[object, Tuple[int, int, str]], **extra) -> dict:
+               gpu: Dict[object, Tuple[int, int, str]], steps: Sequence[Tuple[int, int, str]] = (),
+               **extra) -> dict:
     """One range's summary: its CUDA calls (start, end, name, correlation id) on its thread and the
-    GPU work they launched (``gpu``: correlation id -> (start, end, label)); ``extra`` joins it."""
+    GPU work they launched (``gpu``: correlation id -> (start, end, label)); ``extra`` joins it.
+    ``steps``, the host events on its thread in order (start, end, label), default its CUDA calls,
+    become offsets from the range's start, as does the start of the first GPU work."""
     per_api, count = collections.Counter(), collections.Counter()
     for s, e, call, _ in calls:
         per_api[call] += e - s
@@ -56,9 +65,12 @@ def _range_row(start: int, end: int, calls: Sequence[Tuple[int, int, str, object
     per_gpu = collections.Counter()
     for s, e, label in work:
         per_gpu[label] += e - s
+    steps = steps or [(s, e, call) for s, e, call, _ in calls]
     return dict(host=end - start, api=sum(per_api.values()), calls=len(calls), per_api=per_api, count=count,
                 per_gpu=per_gpu, first=(calls[0][0] - start) if calls else 0,
-                gpu_span=(max(e for _, e, _ in work) - min(s for s, _, _ in work)) if work else 0, **extra)
+                gpu_span=(max(e for _, e, _ in work) - min(s for s, _, _ in work)) if work else 0,
+                steps=[(s - start, e - start, label) for s, e, label in steps],
+                gpu_first=(min(s for s, _, _ in work) - start) if work else None, **extra)
 
 
 def summarize(path: str, names: Sequence[str] = ()) -> Dict[Tuple[int, str], List[dict]]:
@@ -165,8 +177,9 @@ def summarize_kineto(paths: Sequence[str], names: Sequence[str] = ()) -> Dict[Tu
                     overlap = min(e, end) - max(s, start)
                     if overlap > 0:
                         per_other[f"thread {other_tid}: {call}"] += overlap
-            groups[(pid, name)].append(_range_row(start, end, calls, gpu, os=None, per_os=collections.Counter(),
-                                                  per_op=per_op, per_other=per_other))
+            steps = [(s, e, label) for s, e, _, label, _ in mine]  # its CUDA calls and torch ops
+            groups[(pid, name)].append(_range_row(start, end, calls, gpu, steps, os=None,
+                                                  per_os=collections.Counter(), per_op=per_op, per_other=per_other))
     return groups
 
 
@@ -199,12 +212,38 @@ def report(groups: Dict[Tuple[int, str], List[dict]], top: int = 10) -> str:
     return "\n".join(lines)
 
 
+def timeline(groups: Dict[Tuple[int, str], List[dict]]) -> str:
+    """Per range name and process, when each host event of a call came (its CUDA calls; from
+    torch.profiler also its torch ops, nested ones included) and when the GPU work it launched
+    began, in us from the range's start: medians over the calls whose events came in the
+    commonest order."""
+    lines = []
+    for (pid, name), rows in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        orders = [tuple(label for _, _, label in r["steps"]) for r in rows]
+        order = collections.Counter(orders).most_common(1)[0][0]
+        same = [r for r, o in zip(rows, orders) if o == order]
+        lines.append(f"== pid {pid}  {name}  ({len(same)} of {len(rows)} calls in this order; us from the range's "
+                     "start, median)")
+        for i, label in enumerate(order):
+            start = statistics.median(r["steps"][i][0] for r in same) / 1e3
+            end = statistics.median(r["steps"][i][1] for r in same) / 1e3
+            lines.append(f"   {start:8.1f} .. {end:8.1f}  {label[:70]}")
+        lines.append(f"   {statistics.median(r['host'] for r in same) / 1e3:8.1f}              the range ends")
+        firsts = [r["gpu_first"] for r in same if r["gpu_first"] is not None]
+        if firsts:
+            lines.append(f"   {statistics.median(firsts) / 1e3:8.1f}              its first GPU work starts")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("traces", nargs="+", metavar="TRACE",
                         help="torch.profiler traces (.json, .json.gz), or one nsys sqlite export (.sqlite)")
     parser.add_argument("--names", nargs="+", default=(), help="only ranges whose name holds one of these")
     parser.add_argument("--top", type=int, default=10, help="rows per kind (CUDA, OS, GPU, op, other) under each range")
+    parser.add_argument("--timeline", action="store_true",
+                        help="instead of the summary: when each host event of a call came and when its GPU work "
+                             "began, from the range's start (medians of the calls in the commonest order)")
     args = parser.parse_args()
     sqlite_paths = [p for p in args.traces if p.endswith(".sqlite")]
     if sqlite_paths and len(args.traces) > 1:
@@ -212,7 +251,7 @@ def main() -> None:
     groups = (summarize(sqlite_paths[0], args.names) if sqlite_paths
               else summarize_kineto(args.traces, args.names))
     print(f"{sum(len(v) for v in groups.values())} ranges")
-    print(report(groups, args.top))
+    print(timeline(groups) if args.timeline else report(groups, args.top))
 
 
 if __name__ == "__main__":

@@ -164,3 +164,37 @@ def test_bench_profile_writes_a_trace_per_rank_that_trace_ranges_reads(pools, tm
     for rows in groups.values():
         assert len(rows) == 3
         assert all(row["per_op"].get("aten::mm", 0) > 0 and row["host"] > 0 for row in rows)
+
+
+def test_timeline_gives_each_host_event_and_the_first_gpu_work_from_the_range_start(kineto, export):
+    # torch.profiler: the op and its CUDA calls on the range's thread, in order; the first GPU work
+    # its calls launched (the kernel at 30 us) is 20 us after the range's start.
+    groups = trace_ranges.summarize_kineto([kineto], ["te_ep/"])
+    (row,) = groups[(100, "te_ep/zero_copy prepare")]
+    assert row["steps"] == [(2000, 92000, "te_ep::prepare"), (10000, 15000, "cudaLaunchKernel"),
+                            (30000, 60000, "cudaMemsetAsync")]
+    assert row["gpu_first"] == 20000
+    text = trace_ranges.timeline(groups)
+    assert "== pid 100  te_ep/zero_copy prepare  (1 of 1 calls in this order" in text
+    lines = text.splitlines()
+    assert lines[1].split() == ["2.0", "..", "92.0", "te_ep::prepare"]
+    assert lines[3].split() == ["30.0", "..", "60.0", "cudaMemsetAsync"]
+    assert lines[4].split()[:2] == ["100.0", "the"] and lines[5].split()[:2] == ["20.0", "its"]
+    # nsys: the CUDA calls; the medians over the two calls of process 100 that came in the
+    # commonest order (the second range made one call only, so the first alone is that order)
+    groups = trace_ranges.summarize(export, ["te_ep/"])
+    first, second = groups[(100, "te_ep/zero_copy combine")]
+    assert first["steps"] == [(100, 300, "cudaLaunchKernel"), (400, 500, "cudaMemsetAsync")]
+    assert (first["gpu_first"], second["gpu_first"]) == (9000, 15000)
+    text = trace_ranges.timeline(groups)
+    assert "== pid 100  te_ep/zero_copy combine  (1 of 2 calls in this order" in text
+    assert "== pid 200  te_ep/zero_copy combine  (1 of 1 calls in this order" in text
+    assert "its first GPU work starts" not in text.split("== pid 200")[1]  # its call launched nothing traced
+
+
+def test_command_line_timeline(kineto):
+    script = str(REPO / "benchmarks" / "trace_ranges.py")
+    out = subprocess.run([sys.executable, script, kineto, "--timeline"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "2 ranges" in out and "calls in this order" in out and "its first GPU work starts" in out
+    assert "median" in out and "other thread" not in out  # the summary is not printed
