@@ -4,6 +4,8 @@
 # NVIDIA GPU it also installs NCCL EP and builds the nccl_ep backend (the fast path).
 #   TORCH_SPEC   pip requirement used when torch is missing (default: torch==2.11.0 without a
 #                GPU; with one, a torch that pins NCCL 2.30.7, the NCCL that NCCL EP needs)
+#   TRANSFORMERS_VERSION          the transformers release to install (default 5.24.0, the newest
+#                                 the extra takes; CI also runs 5.17.0, its oldest)
 #   TE_EP_FORCE_CUDA=0|1          skip / force compiling the CUDA sources
 #   TE_EP_NCCL_EP_HEADERS=1       without a GPU too, where the CUDA sources get compiled: install
 #                                 NCCL EP's headers (nccl-extensions --no-deps) and require the
@@ -22,6 +24,7 @@ fi
 if ! "$PY" -c "import torch" 2>/dev/null; then
   if ((gpu)); then
     # torch 2.14 and 2.15 pin nvidia-nccl-cu13==2.30.7: NCCL EP's NCCL, no override needed.
+    # .ci/run passes the same spec to test what this picks: change both together.
     "$PY" -m pip install --quiet "${TORCH_SPEC:-torch>=2.14,<2.16}"
   else
     "$PY" -m pip install --quiet "${TORCH_SPEC:-torch==2.11.0}"
@@ -43,12 +46,22 @@ if ! "$PY" -c "import torchtitan.models.common.token_dispatcher" 2>/dev/null; th
     typeguard==4.6.0 docstring_parser==0.18.0
 fi
 
+# TorchTitan's Trainer and model configs for tests/test_torchtitan_trainer.py (TeEpTrainer,
+# --module te_ep_torch.integrations.torchtitan): its training stack, which they import. They need
+# torch >= 2.12 (TorchTitan's FSDP), so on torch 2.11 those tests skip with the reason.
+if ! "$PY" -c "import torchdata, tensorboard, datasets, torch_checkpointing, einops" 2>/dev/null; then
+  "$PY" -m pip install --quiet --no-deps torchdata==0.11.0 torch_checkpointing==0.1.1 einops==0.8.2 \
+    tensorboard==2.21.0 protobuf==7.36.2 absl-py==2.5.1 datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18 \
+    xxhash==4.1.0 pandas==3.1.1 pyarrow==26.0.1 python-dateutil==2.9.0.post0 six==1.17.0 tzdata==2025.2 \
+    requests==2.34.2 urllib3==2.8.0 idna==3.20 certifi==2026.10.19.post1 charset_normalizer==3.5.3
+fi
+
 # Hugging Face transformers for tests/test_transformers.py (te_ep_torch.integrations.transformers):
-# the newest release torch 2.11 allows (5.24.0 asks torch>=2.6), exactly; the extra takes 5.17 to
-# 5.24 (docs/transformers.md). --no-deps: its torch extra must not replace the torch installed
-# above. Its own requirements follow: the Hugging Face ones at the versions tested, the common
-# ones at transformers' floors.
-TRANSFORMERS_VERSION=5.24.0
+# one release, exactly; the extra takes 5.17 to 5.24 (docs/transformers.md), and 5.24.0 is the
+# newest, which any torch from 2.11 on allows (it asks torch>=2.6). --no-deps: its torch extra must
+# not replace the torch installed above. Its own requirements follow: the Hugging Face ones at the
+# versions tested (5.17.0 and 5.24.0 both take them), the common ones at transformers' floors.
+TRANSFORMERS_VERSION=${TRANSFORMERS_VERSION:-5.24.0}
 if ! "$PY" -c "import sys, transformers.integrations.moe, transformers as t; sys.exit(t.__version__ != '$TRANSFORMERS_VERSION')" \
     2>/dev/null; then
   "$PY" -m pip install --quiet --no-deps "transformers==$TRANSFORMERS_VERSION"

@@ -7,6 +7,9 @@ every rank's batch; the other is made expert-parallel by
 ``te_ep_torch.integrations.transformers.parallelize_hf_moe`` and runs this rank's batch.
 The bodies take a ``Ctx`` (tests/_dist.py) and run on CPU/gloo in the worker pools;
 tests/gpu/transformers_gpu.py runs ``case_parity`` on CUDA with ``nccl_ep``.
+``case_registry_parity`` takes transformers' own way in instead (>= 5.23): its sharding
+(``DistributedConfig(fsdp_size=W, ep_size=ep, ep_implementation="te_ep")``, EP plan and
+FSDP2), with the experts run by the ``EPImplementation`` te_ep registers.
 
 Gradients: rank ``r`` computes ``L_r``, the model's own loss (mean cross-entropy) on
 its batch; the reference is ``L = (1/W) sum_r L_r`` on the unsharded model (every rank
@@ -14,7 +17,8 @@ has the same token count, so that is the loss of the concatenated batch). With F
 ``(dp, ep)`` mesh every gradient is ``dL/dp`` already; with expert parallelism alone
 (a process group or a 1-D mesh), a dense gradient is ``dL_r/dp`` (summed over the ranks
 here, as data parallelism would) and an expert's is ``sum_r dL_r/dw`` (the combine's
-backward brings every rank's loss gradient back); both are divided by ``W``.
+backward brings every rank's loss gradient back); both are divided by ``W``. transformers'
+sharding averages over the FSDP ranks itself, so there every gradient is ``dL/dp`` too.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from torch.distributed.tensor import DTensor
 import transformers
 from transformers import AutoModelForCausalLM
 
-from te_ep_torch.integrations.transformers import expert_parallel_modules, parallelize_hf_moe
+from te_ep_torch.integrations.transformers import expert_parallel_modules, parallelize_hf_moe, register_te_ep
 from te_ep_torch.parallel import init_moe_mesh, load_checkpoint, save_checkpoint
 
 VOCAB, HIDDEN, BATCH, SEQ = 64, 32, 2, 8
@@ -427,3 +431,115 @@ def case_refusals(ctx):
     shared_config = AutoModelForCausalLM.from_config(twice.model.layers[0].mlp.experts.config)
     expect("not_parallelized", lambda: shared_config(batch(0)))
     return {"seen": seen, "untouched": untouched}
+
+
+# ---- transformers' EP registry (>= 5.23): DistributedConfig(ep_implementation="te_ep") -------
+
+
+def distribute(model, distributed_config):
+    """transformers' own sharding of a built model: the two steps ``from_pretrained(...,
+    distributed_config=)`` takes around its init (meshes, then the TP/EP plans and FSDP2),
+    without its checkpoint loading (which needs accelerate's device_map); every rank built
+    the same weights, so each keeps its slice."""
+    cls = type(model)
+    config, _, mesh_manager = cls.prepare_distribute_model(distributed_config)
+    return cls.maybe_distribute_model(model, config, mesh_manager)
+
+
+def _moe_layers(model) -> List[str]:
+    return [name for name, m in model.named_modules() if type(m).__name__.endswith("Experts")]
+
+
+def case_registry_parity(ctx, *, family: str, ep: Optional[int] = None, dtype: str = "float32",
+                         scenario: str = "random", impl: str = "te_ep", options: Optional[dict] = None):
+    """Logits, loss and every gradient of a model sharded by transformers with
+    ``DistributedConfig(fsdp_size=W, ep_size=ep, ep_implementation=impl)`` vs the unsharded one.
+
+    ``options``: register ``impl`` first with ``register_te_ep(impl, **options)``.
+    ``dtype="bfloat16"``: bfloat16 parameters, compute and reduction, against the bfloat16
+    reference. (Not ``fsdp_mixed_precision``: in transformers 5.24 its EP path, with
+    ``"all_to_all"`` as with te_ep, moves the logits of these tiny models by up to a fifth
+    of their range from the bfloat16 model's, while without EP it matches exactly.)
+    Returns ``{"diffs", "counts", "layers": [experts module names], "states": {name:
+    {handles, generations, capacity, impl}}, "made_before_forward": [names], "ep"}``.
+    """
+    from transformers.distributed import DistributedConfig
+
+    W = ctx.world_size
+    ep = ep or W
+    torch_dtype = _DTYPES[dtype]
+    device = torch.device(ctx.device)
+    if options is not None:
+        register_te_ep(impl, **dict(options, backend=ctx.backend))
+    ref, model = build(family, dtype=torch_dtype, scenario=scenario, ep=ep)
+    ref.to(device)
+    model.to(device)
+    names = [n for n, _ in ref.named_parameters()]
+    model = distribute(model, DistributedConfig(fsdp_size=W, ep_size=ep, ep_implementation=impl))
+    made_before_forward = [name for name, _ in expert_parallel_modules(model)]
+
+    ids = [batch(r).to(device) for r in range(W)]
+    out = model(ids[ctx.rank], labels=ids[ctx.rank])
+    out.loss.backward()
+    ref_losses, ref_logits = [], None
+    for r, x in enumerate(ids):
+        o = ref(x, labels=x)
+        ref_losses.append(o.loss)
+        if r == ctx.rank:
+            ref_logits = o.logits.detach().float()
+    (torch.stack(ref_losses).sum() / W).backward()
+
+    diffs = {"logits": _diff(out.logits.detach().float(), ref_logits),
+             "loss": _diff(out.loss.detach().float().reshape(1), ref_losses[ctx.rank].detach().float().reshape(1))}
+    params = dict(model.named_parameters())
+    if sorted(params) != sorted(names):
+        raise AssertionError(f"parameter names changed: {sorted(set(params) ^ set(names))}")
+    for name, p_ref in ref.named_parameters():
+        p = params[name]
+        if p.grad is None or p_ref.grad is None:
+            raise AssertionError(f"{name}: no gradient (ours {p.grad is None}, reference {p_ref.grad is None})")
+        diffs[name + ".grad"] = _diff(_full(p.grad), p_ref.grad.float())
+        diffs[name] = _diff(_full(p.data), p_ref.detach().float())
+    states = {}
+    for name, m in expert_parallel_modules(model):
+        handles = list(m.te_ep.handles.values())
+        states[name] = {"handles": [repr(h) for h in handles], "generations": [h.generation for h in handles],
+                        "capacity": [h.config.capacity for h in handles],
+                        "worst_case": m.te_ep.group.worst_case_capacity(m.te_ep.top_k, handles[0].config.alignment),
+                        "max_tokens_per_rank": m.te_ep.group.max_tokens_per_rank,
+                        "impls": sorted(set(m.te_ep.impls.values()))}
+    return {"diffs": diffs, "counts": _expert_counts(ref, ids), "layers": _moe_layers(model), "states": states,
+            "made_before_forward": made_before_forward, "ep": ep}
+
+
+def case_registry_refusals(ctx):
+    """What ``ep_implementation="te_ep"`` refuses when transformers shards a model: returns
+    ``{label: "Type: message"}``."""
+    from transformers.distributed import DistributedConfig
+
+    W = ctx.world_size
+    seen = {}
+
+    def expect(label, fn):
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 (reported to the test)
+            seen[label] = f"{type(exc).__name__}: {exc}"
+        else:
+            seen[label] = "no error"
+
+    def fresh(family="qwen3_moe", **overrides):
+        config = make_config(family)
+        for k, v in overrides.items():
+            setattr(config, k, v)
+        return AutoModelForCausalLM.from_config(config)
+
+    # Tensor-parallel ranks share one batch; te_ep expects a batch per EP rank.
+    expect("tp", lambda: distribute(fresh(), DistributedConfig(tp_size=W, ep_size=W, ep_implementation="te_ep")))
+    # Experts with a parameter te_ep does not know (what quantized experts look like).
+    extra = fresh()
+    extra.model.layers[0].mlp.experts.register_parameter("weight_scale", torch.nn.Parameter(torch.ones(8, 1)))
+    expect("extra_param", lambda: distribute(extra, DistributedConfig(fsdp_size=W, ep_size=W,
+                                                                       ep_implementation="te_ep")))
+    return seen
+

@@ -44,7 +44,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
@@ -257,22 +256,29 @@ def test_compiled_fsdp2_blocks_match_all_to_all(pools, world_size, ep, compile_b
 @pytest.mark.xfail(
     strict=True,
     raises=_FsdpHookGraphBreak,
-    reason="torch 2.11 limitation, not te_ep's: expert weights FSDP-sharded on efsdp > 1 inside a block compiled "
-    "with fullgraph=True need TorchTitan 0.3.0's per-parameter FSDP mesh (ShardPlacementResult, newer torch); "
-    "their own nested FSDP unit breaks the graph at its dynamo-disabled hook, with TorchTitan's all-to-all too",
+    reason="torch limitation (2.11, 2.15), not te_ep's: expert weights FSDP-sharded on efsdp > 1 in their own "
+    "nested FSDP unit inside a block compiled with fullgraph=True break the graph at its dynamo-disabled hook, "
+    "with TorchTitan's all-to-all too; TorchTitan 0.3.0 uses a per-parameter FSDP mesh there "
+    "(ShardPlacementResult), which torch 2.11 lacks",
 )
 def test_compiled_fsdp2_blocks_experts_on_efsdp_ep2_of_4(pools):
     """EP 2 x efsdp 2 of 4 ranks, the expert weights in their own FSDP unit on ``efsdp`` inside each block."""
+    import re
+
     from _torchtitan_cases import case_compiled_fsdp_blocks
 
     results = pools.run(4, case_compiled_fsdp_blocks, ep=2, experts="nested", compile_backend="aot_eager",
                         timeout=300)
     errors = [res.get("errors") or {} for res in results]
     if any(errors):
+        # torch words the break its own way (2.11: "Attempted to call function marked as skipped", 2.15:
+        # "Call to `torch._dynamo.disable()`"); what stays: the trace stopped in a frame of FSDP2's
+        # fully_shard that calls torch._dynamo.disable, the wrapper of its hooks.
+        at_fsdp_hook = re.compile(r'/fsdp/_fully_shard/\w+\.py", line \d+, in \w+\n'
+                                  r'\s*return torch\._dynamo\.disable\(')
         hook_break = all(
             set(e) == {"all_to_all", "te_ep"}
-            and all("Attempted to call function marked as skipped" in text and "fsdp_hook_wrapper" in text
-                    for text in e.values())
+            and all("torch._dynamo.exc.Unsupported" in text and at_fsdp_hook.search(text) for text in e.values())
             for e in errors
         )
         if hook_break:
@@ -352,26 +358,6 @@ def test_bad_options_name_the_option(kwargs, message):
 
     with pytest.raises(ValueError, match=message):
         te_ep_dispatcher(AllToAllTokenDispatcher.Config(num_experts=8, top_k=2), **kwargs)
-
-
-def test_use_te_ep_fills_sizes_from_trainer_config():
-    from torchtitan.config import ParallelismConfig, TrainingConfig
-    from torchtitan.config.override import OverrideConfig
-
-    from te_ep_torch.integrations.torchtitan import EXPERTS_OVERRIDE_TARGET, OVERRIDE_TARGET, use_te_ep
-
-    config = types.SimpleNamespace(
-        training=TrainingConfig(local_batch_size=4, seq_len=1024),
-        parallelism=ParallelismConfig(tensor_parallel_degree=2, expert_parallel_degree=2),
-        model_spec=types.SimpleNamespace(model=types.SimpleNamespace(dim=2048)),
-        override=OverrideConfig(),
-    )
-    use_te_ep(config, capacity_factor=1.25)
-    assert config.override.imports == [(OVERRIDE_TARGET, {
-        "hidden_dim": 2048, "num_max_tokens_per_rank": 2048, "dtype": "bfloat16", "capacity_factor": 1.25,
-    }), EXPERTS_OVERRIDE_TARGET]
-    with pytest.raises(ValueError, match="already in override.imports"):
-        use_te_ep(config)
 
 
 def test_te_ep_experts_override_keeps_the_experts_and_leaves_subclasses_alone():

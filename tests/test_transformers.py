@@ -11,7 +11,9 @@ and 4 ranks: EP over the default process group, over a 1-D mesh, and EP x FSDP2 
 (dp, ep) mesh (float32 and bfloat16 compute), also with transformers' activation
 checkpointing. Plus ``torch.compile(fullgraph=True)`` of an MoE block (``aot_eager``), a
 DCP save at dp 2 x ep 2 loaded at EP 2, on a (1, 2) mesh and into the unsharded model, a
-batch too long on one rank, and what ``parallelize_hf_moe`` refuses.
+batch too long on one rank, and what ``parallelize_hf_moe`` refuses. The way in of transformers
+>= 5.23, ``DistributedConfig(ep_implementation="te_ep")``, is tested in
+tests/test_transformers_registry.py; the example and the GPU script, run here, take both.
 
 Tolerances (max |diff| / max |reference| per tensor): float32 ``1e-5`` (the experts see the
 same rows; only the order of the GEMMs' and the combine's sums differs from transformers'
@@ -25,6 +27,7 @@ installs it.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -170,8 +173,6 @@ def test_refusals_name_what_is_wrong(pools):
         "not_parallelized": r"RuntimeError: Qwen3MoeExperts: config._experts_implementation is 'te_ep' but this "
                             r"experts module was not made expert-parallel",
     }
-    import re
-
     for rank, res in enumerate(results):
         assert res["untouched"], f"rank {rank}: a refused model was changed"
         assert set(res["seen"]) == set(expected), sorted(res["seen"])
@@ -196,18 +197,35 @@ def _torchrun(nprocs: int, script: Path, args, timeout: float) -> str:
 
 
 def test_finetune_example_on_two_cpu_ranks(tmp_path):
-    """examples/hf_moe_finetune.py: EP 2 x FSDP2 on 2 gloo ranks; the loss falls, a checkpoint is written."""
+    """examples/hf_moe_finetune.py --impl all: EP 2 x FSDP2 on 2 gloo ranks, every way in this transformers has
+    (te_ep and all_to_all through DistributedConfig on >= 5.23, parallelize_hf_moe); for each the loss falls,
+    a checkpoint is written and tokens/s are printed."""
+    from te_ep_torch.integrations.transformers import HAS_EP_REGISTRY
+
     ckpt = tmp_path / "ckpt"
-    out = _torchrun(2, REPO / "examples" / "hf_moe_finetune.py", ["--steps", "30", "--ckpt-dir", str(ckpt)], 240)
-    assert "loss went down" in out, out[-4000:]
-    assert "saved checkpoint" in out and os.listdir(ckpt), out[-4000:]
+    out = _torchrun(2, REPO / "examples" / "hf_moe_finetune.py", ["--impl", "all", "--steps", "20", "--ckpt-dir",
+                                                                   str(ckpt)], 240)
+    impls = ["te_ep", "all_to_all", "parallelize_hf_moe"] if HAS_EP_REGISTRY else ["parallelize_hf_moe"]
+    assert sorted(os.listdir(ckpt)) == sorted(impls), (os.listdir(ckpt), out[-4000:])
+    for impl in impls:
+        assert re.search(rf"\[{impl}\] loss .* tokens/s; loss went down", out), (impl, out[-4000:])
+        assert f"[{impl}] saved checkpoint" in out, (impl, out[-4000:])
+        assert re.search(rf"^{impl} +[\d,]+ +\d+\.\d+$", out, re.M), (impl, out[-4000:])
+    if HAS_EP_REGISTRY:  # the experts of the te_ep run went through te_ep's group
+        assert re.search(r"\[te_ep\] .* te_ep backend=reference experts=8 \(4/rank\) in 2 MoE layers", out), out[-4000:]
 
 
 def test_gpu_script_logic_on_cpu():
     """tests/gpu/transformers_gpu.py --device cpu (two of its models, to keep it short): the equality
-    checks pass and the timing table prints."""
+    checks (parallelize_hf_moe, and on transformers >= 5.23 DistributedConfig(ep_implementation="te_ep"))
+    pass and the timing table prints."""
     out = _torchrun(2, REPO / "tests" / "gpu" / "transformers_gpu.py",
                     ["--device", "cpu", "--tiny", "--models", "gpt_oss,deepseek_v3", "--iters", "2", "--warmup", "1",
                      "--repeats", "1"], 240)
     assert "equality: passed" in out, out[-4000:]
     assert "te_ep / grouped_mm" in out, out[-4000:]
+    from te_ep_torch.integrations.transformers import HAS_EP_REGISTRY
+
+    if HAS_EP_REGISTRY:  # also sharded by transformers with ep_implementation="te_ep"
+        for family in ("gpt_oss", "deepseek_v3"):
+            assert re.search(rf"^ok +{family} float32 registry W=2", out, re.M), out[-4000:]

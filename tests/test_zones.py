@@ -29,14 +29,23 @@ def _rows(n, cols, dtype, device, seed=0):
     return torch.randn(n, cols, generator=gen).to(dtype=dtype, device=device)
 
 
+def _clamp(x, limit, lower=False):
+    """te_ep's clamp (docs/ops.md, zone_glu): an input equal to a bound is inside and keeps its
+    gradient; only one past it gets zero. Written with where, not clamp: torch's clamp changed its
+    rule on the bound (2.11 passes the gradient, 2.15 zeroes it), te_ep's kernels keep 2.11's on
+    every torch, and bfloat16 activations do land on a bound such as gpt-oss's 7.0."""
+    x = torch.where(x > limit, limit, x)
+    return torch.where(x < -limit, -limit, x) if lower else x
+
+
 def _glu_ref(gate_up, gate, interleaved, alpha, limit):
     x = gate_up.float()
     f = x.shape[1] // 2
     g, u = (x[:, 0::2], x[:, 1::2]) if interleaved else (x[:, :f], x[:, f:])
     if gate == "swiglu":
         return F.silu(g) * u
-    g = g.clamp(max=limit)
-    u = u.clamp(-limit, limit)
+    g = _clamp(g, limit)
+    u = _clamp(u, limit, lower=True)
     return (u + 1) * g * torch.sigmoid(g * alpha)
 
 
@@ -69,9 +78,28 @@ def test_zone_glu_values_and_gradient(device, dtype, gate, layout):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_zone_glu_clamp_passes_the_gradient_on_the_bound(device):
+    """Inputs on and past the clamps' bounds, where random data lands only by chance: on a bound
+    the gradient passes, past it it is zero (_clamp's rule)."""
+    limit = 1.5
+    g = torch.tensor([1.5, 1.5, 1.5, 2.0, 0.5, 0.5])
+    u = torch.tensor([0.5, 1.5, -1.5, 0.5, 2.0, -2.0])
+    x = torch.stack([g, u], dim=1).to(device).requires_grad_()
+    counts = torch.tensor([2, 4], dtype=torch.int32, device=device)
+    h = zone_glu(x, counts, "clamped_swiglu", False, 1.702, limit)
+    (grad,) = torch.autograd.grad(h.sum(), x)
+    ref_in = x.detach().cpu().requires_grad_()
+    _glu_ref(ref_in, "clamped_swiglu", False, 1.702, limit).sum().backward()
+    torch.testing.assert_close(grad.cpu(), ref_in.grad, **TOL[torch.float32])
+    inside = torch.stack([g <= limit, u.abs() <= limit], dim=1)
+    assert torch.equal(grad.cpu() != 0, inside), grad
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_zone_glu_bfloat16_rounds_as_the_eager_expression(device):
     """In bfloat16 the gates give what the models' eager expressions give (each step rounded),
-    forward and backward: te_ep's experts reproduce the model's own numerics."""
+    forward and backward: te_ep's experts reproduce the model's own numerics (on a clamp's
+    bound, te_ep's rule: _clamp)."""
     # Bit for bit on the CPU (the same ATen expression); on CUDA within one bfloat16 unit
     # (the kernel's sigmoid uses the fast exponential, torch's its own).
     exact = dict(rtol=0, atol=0) if device == "cpu" else dict(rtol=2**-7, atol=2**-7)
@@ -79,7 +107,7 @@ def test_zone_glu_bfloat16_rounds_as_the_eager_expression(device):
     total = int(counts.sum())
     x = (_rows(total, 16, torch.bfloat16, device) * 3).requires_grad_()
     g, u = x[:, 0::2], x[:, 1::2]
-    ref = (u.clamp(-7.0, 7.0) + 1) * (g.clamp(max=7.0) * torch.sigmoid(g.clamp(max=7.0) * 1.702))
+    ref = (_clamp(u, 7.0, lower=True) + 1) * (_clamp(g, 7.0) * torch.sigmoid(_clamp(g, 7.0) * 1.702))
     h = zone_glu(x, counts, "clamped_swiglu", True, 1.702, 7.0)
     torch.testing.assert_close(h, ref, **exact)
     d = _rows(total, 8, torch.bfloat16, device, seed=4)

@@ -1,32 +1,45 @@
 """Hugging Face transformers MoE models on the ``te_ep`` dispatch/combine ops.
 
-transformers (5.x) runs the experts of its MoE models through a registry: an experts
-class decorated with ``@use_experts_implementation`` (Qwen3-MoE, Mixtral, gpt-oss,
-DeepSeek-V3, OLMoE, ...) looks up ``config._experts_implementation`` in
-``transformers.integrations.moe.ExpertsInterface`` and calls that function with
-``(experts_module, hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K])``,
-after the model's own router has chosen the experts. This module registers
-:data:`IMPLEMENTATION` (``"te_ep"``) there, and :func:`parallelize_hf_moe` makes a
-loaded model expert-parallel on it:
+Two ways in, by transformers version (docs/transformers.md):
 
-* every decorated experts module keeps its parameter names and global shapes; its
-  weights (``gate_up_proj`` / ``up_proj``, ``down_proj`` and their biases) become
-  ``Shard(0)`` DTensors over the EP mesh, so rank ``r`` holds experts
-  ``[r E / W, (r + 1) E / W)``, the block :class:`~te_ep_torch.EpGroup` assigns it;
+* transformers >= 5.23 has expert parallelism of its own: ``from_pretrained(...,
+  distributed_config=DistributedConfig(fsdp_size=W, ep_size=E, ep_implementation=NAME))``
+  shards the experts of every ``"ep_dispatch_experts"`` rule of the model's EP plan over
+  ``E`` ranks, applies FSDP2, and hands each experts module's tokens to the
+  ``EPImplementation`` registered as ``NAME`` in ``EPImplementationInterface``. Importing
+  this module registers :class:`TeEpImplementation` there as ``"te_ep"`` (default
+  options); :func:`register_te_ep` registers it with other options (capacity, overflow,
+  backend, checks, ...), under ``"te_ep"`` or a name of its own, since a
+  ``DistributedConfig`` carries no per-implementation options.
+* transformers 5.17 to 5.22 (and any version): :func:`parallelize_hf_moe` makes a loaded
+  model expert-parallel itself, through transformers' experts registry
+  (``ExpertsInterface``, where this module registers :data:`IMPLEMENTATION`, ``"te_ep"``,
+  as an experts implementation). On >= 5.23 it still works and warns that the
+  ``DistributedConfig`` entry is the way.
+
+Either way, per experts module decorated with ``@use_experts_implementation`` (Qwen3-MoE,
+Mixtral, gpt-oss, DeepSeek-V3, OLMoE, ...):
+
+* its weights (``gate_up_proj`` / ``up_proj``, ``down_proj`` and their biases) are
+  ``Shard(0)`` DTensors over the EP ranks, names and global shapes kept, so rank ``r``
+  holds experts ``[r E / W, (r + 1) E / W)``, the block :class:`~te_ep_torch.EpGroup`
+  assigns it;
 * its forward sends each token to the ranks of its experts with
   :func:`te_ep_torch.ep_dispatch`, runs the local experts on the expert-major rows
   (the module's own gate function ``_apply_gate`` / ``act_fn``, its biases, its weight
   layout), weights the rows by the router's weights in float32 and sums them back with
-  :func:`te_ep_torch.ep_combine`; one :class:`~te_ep_torch.EpHandle` per experts module;
-* the router, shared experts and everything else are untouched (replicated), so the
-  model's routing (softmax or sigmoid, top-k, group limits, normalisation, score bias,
-  scaling) is exactly its own;
-* on a ``(dp, ep)`` mesh it then applies FSDP2 with the gradient scaling of
-  :func:`te_ep_torch.parallel.apply_fsdp`, so every gradient equals the unsharded model's.
+  :func:`te_ep_torch.ep_combine`; one :class:`~te_ep_torch.EpHandle` per experts module
+  (a :class:`TeEpExpertsState`, attribute ``te_ep`` of the module);
+* the router, shared experts and everything else are the model's own, so its routing
+  (softmax or sigmoid, top-k, group limits, normalisation, score bias, scaling) is
+  exactly its own.
 
-The state dict keeps the model's names and global shapes: DCP
+FSDP2: transformers applies it on its own meshes (``fsdp_size``); :func:`parallelize_hf_moe`
+on a ``(dp, ep)`` mesh applies it with the gradient scaling of
+:func:`te_ep_torch.parallel.apply_fsdp`. Either way every gradient equals the unsharded
+model's, and the state dict keeps the model's names and global shapes: DCP
 (:func:`te_ep_torch.parallel.save_checkpoint`) writes it, any EP size or the unsharded
-model reads it back. docs/transformers.md has the details.
+model reads it back.
 
 Nothing else in te_ep_torch imports this module or transformers.
 """
@@ -34,7 +47,9 @@ Nothing else in te_ep_torch imports this module or transformers.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+import inspect
+import warnings
+from typing import Any, ClassVar, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -60,6 +75,11 @@ except ImportError as exc:  # pragma: no cover - exercised only with another tra
 
 from transformers import activations as _activations
 
+try:
+    from transformers.distributed.expert_parallel import EPImplementation, EPImplementationInterface
+except ImportError:  # transformers 5.17 to 5.22: no EP registry, parallelize_hf_moe only
+    EPImplementation = EPImplementationInterface = None
+
 from .. import group as _group
 from ..autograd import ep_combine, ep_dispatch
 from ..group import BACKENDS, CHECKS, DEFAULT_NCCL_EP_MODE, NCCL_EP_MODES, EpGroup, EpHandle
@@ -69,15 +89,21 @@ from ..zones import expert_ffn, weighted_for_combine
 
 __all__ = [
     "EXPERT_IMPLS",
+    "HAS_EP_REGISTRY",
     "IMPLEMENTATION",
     "TeEpExpertsState",
+    "TeEpImplementation",
     "expert_parallel_modules",
     "parallelize_hf_moe",
+    "register_te_ep",
     "te_ep_experts_forward",
 ]
 
-# The name under which transformers' ExpertsInterface finds te_ep's experts forward.
+# The name under which transformers' ExpertsInterface finds te_ep's experts forward, and
+# EPImplementationInterface (>= 5.23) te_ep's EP implementation.
 IMPLEMENTATION = "te_ep"
+# Whether this transformers has DistributedConfig(ep_implementation=...) and its registry (>= 5.23).
+HAS_EP_REGISTRY = EPImplementationInterface is not None
 
 # The activations whose gate the zone kernels compute (te_ep_torch.zones): SiLU, as torch and
 # transformers (ACT2FN["silu"]) make it, and gpt-oss's clamped SwiGLU, recognised by its function.
@@ -100,18 +126,22 @@ _FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
 
 @dataclasses.dataclass
 class TeEpExpertsState:
-    """What :func:`parallelize_hf_moe` attaches to an experts module (as ``module.te_ep``).
+    """What :func:`parallelize_hf_moe` or :class:`TeEpImplementation` attaches to an experts module
+    (as ``module.te_ep``).
 
     Attributes:
         name: the module's name in the model (for messages).
         group: the :class:`~te_ep_torch.EpGroup` its tokens travel over.
         top_k: experts per token (the router's).
         hidden: token width.
-        handles: one handle per token dtype (the first made by :func:`parallelize_hf_moe`;
-            tokens of another dtype get their own on first eager use).
+        handles: one handle per token dtype (the first made by :func:`parallelize_hf_moe`, or
+            on the first forward of :class:`TeEpImplementation` unless its ``dtype`` option
+            names it; tokens of another dtype get their own on first eager use).
         impls: the grouped-GEMM implementation per token dtype (``"grouped_mm"`` or ``"loop"``).
         expert_impl, alignment, capacity_factor, overflow: the options they were made with.
         dims: the feature dims of the experts' GEMMs (what ``torch._grouped_mm`` needs aligned).
+        entry: the call whose arguments set those options (named in messages):
+            ``"parallelize_hf_moe"`` or ``"register_te_ep"``.
     """
 
     name: str
@@ -123,6 +153,7 @@ class TeEpExpertsState:
     capacity_factor: Optional[float]
     dims: Tuple[int, ...]
     overflow: str = "raise"
+    entry: str = "parallelize_hf_moe"
     handles: Dict[torch.dtype, EpHandle] = dataclasses.field(default_factory=dict)
     impls: Dict[torch.dtype, str] = dataclasses.field(default_factory=dict)
 
@@ -152,7 +183,7 @@ class TeEpExpertsState:
             if torch.compiler.is_compiling():
                 raise RuntimeError(
                     f"te_ep experts {self.name!r}: no te_ep handle for {tokens.dtype} tokens while torch.compile "
-                    f"traces the layer (have {sorted(map(str, self.handles))}); pass parallelize_hf_moe(..., dtype="
+                    f"traces the layer (have {sorted(map(str, self.handles))}); pass {self.entry}(..., dtype="
                     f"{tokens.dtype}) so the handle is made before compiling"
                 )
             handle = self.create_handle(tokens.dtype)
@@ -162,7 +193,7 @@ class TeEpExpertsState:
                             f"{tuple(tokens.shape)}")
         if num_tokens > self.group.max_tokens_per_rank:
             return handle, (f"te_ep experts {self.name!r}: {num_tokens} tokens reached the experts, more than "
-                            f"max_tokens_per_rank={self.group.max_tokens_per_rank}; pass parallelize_hf_moe(..., "
+                            f"max_tokens_per_rank={self.group.max_tokens_per_rank}; pass {self.entry}(..., "
                             "max_tokens_per_rank=) the largest per-rank batch size * sequence length")
         return handle, None
 
@@ -187,13 +218,19 @@ def te_ep_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: T
             "model that owns it (a model built from the same config object shares the setting: give each model "
             "its own config, e.g. copy.deepcopy(config))"
         )
+    return _ep_step(self, state, hidden_states, top_k_index, top_k_weights)
+
+
+def _ep_step(experts: nn.Module, state: TeEpExpertsState, hidden_states: Tensor, top_k_index: Tensor,
+             top_k_weights: Tensor) -> Tensor:
+    """One experts step on te_ep: dispatch, this rank's experts, weighting, combine (collective)."""
     shape = hidden_states.shape
     tokens = hidden_states.reshape(-1, shape[-1])
     top_k = top_k_index.shape[-1]
     if top_k != state.top_k:
         raise ValueError(
             f"te_ep experts {state.name!r}: top_k_index has {top_k} choices per token, the layer's handle was made "
-            f"for top_k={state.top_k}; pass parallelize_hf_moe(..., top_k={top_k})"
+            f"for top_k={state.top_k}; pass {state.entry}(..., top_k={top_k})"
         )
     handle, bad = state.handle_for(tokens)
     topk_idx = top_k_index.reshape(-1, top_k)
@@ -205,7 +242,7 @@ def te_ep_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: T
         if bad is None:
             raise
         raise ValueError(f"{bad}\n(handle {handle.id} of group '{handle.group.group_name}')") from exc
-    y = _run_local_experts(self, out.tokens, out.expert_counts, state.impls[tokens.dtype])
+    y = _run_local_experts(experts, out.tokens, out.expert_counts, state.impls[tokens.dtype])
     y = weighted_for_combine(y, out.weights, out.expert_counts, handle)
     return ep_combine(handle, y, tokens.shape[0]).reshape(shape)
 
@@ -252,7 +289,9 @@ def _is_experts_module(module: nn.Module) -> bool:
 
 
 def expert_parallel_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
-    """``(name, module)`` of every experts module of ``model`` that :func:`parallelize_hf_moe` made expert-parallel."""
+    """``(name, module)`` of every experts module of ``model`` that runs on te_ep: made expert-parallel by
+    :func:`parallelize_hf_moe`, or by ``DistributedConfig(ep_implementation="te_ep")`` (there from the
+    first forward on, unless :func:`register_te_ep` was given ``max_tokens_per_rank``)."""
     return [(name, m) for name, m in model.named_modules() if isinstance(getattr(m, "te_ep", None), TeEpExpertsState)]
 
 
@@ -269,13 +308,27 @@ class _Layout:
     params: List[str]
 
 
-def _check_layout(name: str, m: nn.Module, ep_size: int, top_k: Optional[int], device_type: str) -> _Layout:
-    """The layout of one decorated experts module; ValueError naming what te_ep can't serve."""
-    what = f"parallelize_hf_moe: experts module {name!r} ({type(m).__name__})"
+def _check_layout(name: str, m: nn.Module, ep_size: int, top_k: Optional[int], device_type: str, *,
+                  entry: str = "parallelize_hf_moe", sharded: bool = False) -> _Layout:
+    """The layout of one decorated experts module; ValueError naming what te_ep can't serve.
+
+    ``sharded``: transformers' EP plan has already split the weights (``Shard(0)`` DTensors
+    over the EP mesh, ``num_experts`` the local count, the weights possibly still on the
+    meta device, loaded later); otherwise the module holds every expert's weights."""
+    what = f"{entry}: experts module {name!r} ({type(m).__name__})"
     num_experts = getattr(m, "num_experts", None)
     if not isinstance(num_experts, int) or num_experts <= 0:
         raise ValueError(f"{what} has no positive int attribute num_experts (got {num_experts!r}); te_ep needs the "
-                         "global expert count that its weights' dim 0 holds")
+                         "expert count that its weights' dim 0 holds")
+    if sharded:
+        if not getattr(m, "_is_expert_parallel", False):
+            raise ValueError(f"{what}: its weights are not split over the EP ranks; te_ep needs the model's ep_plan "
+                             "to shard them with the 'grouped_gemm' rule (the default plan of transformers' MoE "
+                             "models does; an ep_plan override must keep it)")
+        num_experts *= ep_size
+    if getattr(m, "has_post_expert_norm", False):
+        raise ValueError(f"{what} normalises each expert's output (has_post_expert_norm=True), which te_ep's "
+                         "experts step does not do; keep transformers' own experts implementation")
     first = "gate_up_proj" if m.has_gate else "up_proj"
     required = [first, "down_proj"] + ([first + "_bias", "down_proj_bias"] if m.has_bias else [])
     params = dict(m.named_parameters(recurse=False))
@@ -294,12 +347,19 @@ def _check_layout(name: str, m: nn.Module, ep_size: int, top_k: Optional[int], d
         raise ValueError(f"{what} has buffer {buffers[0]!r}, which te_ep does not know how to shard or use")
     for p in required:
         t = params[p]
-        if isinstance(t, DTensor):
+        if sharded:
+            if not isinstance(t, DTensor) or tuple(t.placements) != (Shard(0),) or t.device_mesh.size() != ep_size:
+                got = f"{type(t).__name__} {getattr(t, 'placements', '')}".strip()
+                raise ValueError(f"{what}: {p} must be a DTensor sharded Shard(0) over the {ep_size} EP ranks (the "
+                                 f"ep_plan's 'grouped_gemm' rule), got {got}")
+        elif isinstance(t, DTensor):
             raise RuntimeError(f"{what}: {p} is already a DTensor; parallelize_hf_moe applies once, to a model "
                                "whose experts hold all their weights")
         if t.dim() != (2 if p.endswith("_bias") else 3) or t.shape[0] != num_experts:
             raise ValueError(f"{what}: {p} has shape {tuple(t.shape)}, expected [num_experts={num_experts}, ...] "
                              f"({'2' if p.endswith('_bias') else '3'}-D)")
+        if sharded:
+            continue
         if t.device.type == "meta":
             raise ValueError(f"{what}: {p} is on the meta device; load or initialize the weights first")
         if t.device.type != device_type:
@@ -325,19 +385,19 @@ def _check_layout(name: str, m: nn.Module, ep_size: int, top_k: Optional[int], d
         top_k = getattr(m.config, "num_experts_per_tok", None)
         if not isinstance(top_k, int):
             raise ValueError(f"{what}: its config has no int num_experts_per_tok (got {top_k!r}); pass "
-                             "parallelize_hf_moe(..., top_k=) the experts each token goes to")
+                             f"{entry}(..., top_k=) the experts each token goes to")
     if not 0 < top_k <= num_experts:
         raise ValueError(f"{what}: top_k must be in [1, num_experts={num_experts}], got {top_k}")
     return _Layout(name, m, num_experts, top_k, int(in1), (int(in1), int(out1), int(in2)), list(required))
 
 
-def _check_options(**options) -> None:
-    """ValueError naming the argument of :func:`parallelize_hf_moe` that is wrong."""
-    what = "parallelize_hf_moe"
+def _check_options(what: str = "parallelize_hf_moe", *, max_tokens_may_be_none: bool = False, **options) -> None:
+    """ValueError naming the wrong argument of ``what`` (:func:`parallelize_hf_moe` or :func:`register_te_ep`)."""
     max_tokens = options["max_tokens_per_rank"]
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
+    if not (max_tokens_may_be_none and max_tokens is None) and (
+            not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0):
         raise ValueError(f"{what}: max_tokens_per_rank must be a positive int (batch size * sequence length per "
-                         f"rank), got {max_tokens!r}")
+                         f"rank){' or None (the first batch)' if max_tokens_may_be_none else ''}, got {max_tokens!r}")
     if options["backend"] not in BACKENDS:
         raise ValueError(f"{what}: backend must be one of {BACKENDS}, got {options['backend']!r}")
     if options["nccl_ep_mode"] not in NCCL_EP_MODES:
@@ -413,6 +473,11 @@ def parallelize_hf_moe(
 ) -> nn.Module:
     """Makes a transformers MoE model expert-parallel on te_ep (collective; in place; returns ``model``).
 
+    The way in on transformers 5.17 to 5.22. On >= 5.23 it keeps working but warns
+    (``DeprecationWarning``): there, transformers shards the model
+    itself and ``DistributedConfig(ep_size=..., ep_implementation="te_ep")`` runs its
+    experts on te_ep (:func:`register_te_ep`, docs/transformers.md).
+
     Every experts module decorated with transformers' ``@use_experts_implementation``
     gets its weights sharded ``Shard(0)`` over the EP ranks (names and global shapes
     kept), its own :class:`~te_ep_torch.EpHandle` (attribute ``te_ep``, a
@@ -475,10 +540,15 @@ def parallelize_hf_moe(
             weights reach them in the router's own dtype.
         reshard_after_forward: ``fully_shard``'s (2-D mesh only).
     """
+    if HAS_EP_REGISTRY:
+        warnings.warn(
+            f"parallelize_hf_moe: transformers {transformers.__version__} has expert parallelism of its own; load the "
+            f"model with distributed_config=DistributedConfig(ep_size=..., ep_implementation={IMPLEMENTATION!r}) "
+            "instead (te_ep_torch.integrations.transformers.register_te_ep takes the options; docs/transformers.md). "
+            "parallelize_hf_moe keeps working.", DeprecationWarning, stacklevel=2)
     _check_options(max_tokens_per_rank=max_tokens_per_rank, backend=backend, nccl_ep_mode=nccl_ep_mode, checks=checks,
-                   dtype=dtype,
-                   alignment=alignment, capacity_factor=capacity_factor, overflow=overflow, expert_impl=expert_impl,
-                   top_k=top_k)
+                   dtype=dtype, alignment=alignment, capacity_factor=capacity_factor, overflow=overflow,
+                   expert_impl=expert_impl, top_k=top_k)
     ep_mesh, mesh = _meshes(model, mesh_or_group, dp_dim, ep_dim)
     if mesh is None and (mp_policy is not None or blocks is not None):
         raise ValueError("parallelize_hf_moe: mp_policy and blocks are FSDP2 options; they need a 2-D (dp, ep) mesh "
@@ -556,3 +626,164 @@ def _apply_fsdp(model: nn.Module, mesh: DeviceMesh, experts: List[nn.Module], *,
     for block in blocks:
         fully_shard(block, mesh=dense_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
     fully_shard(model, mesh=dense_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+
+
+# ---- transformers' EP registry (>= 5.23) ----------------------------------------------------
+
+
+def register_te_ep(
+    name: str = IMPLEMENTATION,
+    *,
+    max_tokens_per_rank: Optional[int] = None,
+    backend: str = "auto",
+    nccl_ep_mode: str = DEFAULT_NCCL_EP_MODE,
+    timeout=None,
+    checks: str = "local",
+    dtype: Optional[torch.dtype] = None,
+    alignment: Optional[int] = None,
+    capacity_factor: Optional[float] = None,
+    overflow: str = "raise",
+    expert_impl: str = "auto",
+    top_k: Optional[int] = None,
+):
+    """Registers te_ep with these options as transformers' EP implementation ``name`` (transformers >= 5.23).
+
+    ``DistributedConfig(ep_size=..., ep_implementation=name)`` then runs every experts
+    module of the model's ``"ep_dispatch_experts"`` rules on te_ep. A ``DistributedConfig``
+    carries no per-implementation options, so they are fixed here, per name: importing
+    this module registers ``"te_ep"`` with the defaults; calling this again with ``"te_ep"``
+    replaces them for models sharded afterwards, and another ``name`` registers a second
+    configuration beside it (say ``register_te_ep("te_ep_cf1.25", capacity_factor=1.25)``).
+    Idempotent: the same name and options return the class already registered.
+
+    Args:
+        name: the ``ep_implementation`` name; not one of transformers' own.
+        max_tokens_per_rank: most tokens one forward of a rank sends into an MoE layer
+            (batch size * sequence length); ``None``: the largest first batch of the EP
+            ranks (a longer batch later raises ``ValueError`` naming this option).
+        backend, nccl_ep_mode, timeout, checks, dtype, alignment, capacity_factor, overflow,
+        expert_impl, top_k: as :func:`parallelize_hf_moe`'s (``dtype``: the handles are made
+        when the model is sharded if ``max_tokens_per_rank`` is given too, else on the first
+        forward).
+
+    Returns:
+        the registered :class:`TeEpImplementation` subclass (``options`` holds the options).
+
+    Raises:
+        RuntimeError: transformers has no EP registry (< 5.23: use :func:`parallelize_hf_moe`).
+        ValueError: an option or ``name`` is invalid (the message names it).
+    """
+    if not HAS_EP_REGISTRY:
+        raise RuntimeError(
+            f"register_te_ep: transformers {transformers.__version__} has no EP implementation registry "
+            "(DistributedConfig(ep_implementation=...) needs transformers >= 5.23); use parallelize_hf_moe "
+            "(docs/transformers.md)"
+        )
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register_te_ep: name must be a non-empty str, got {name!r}")
+    options = dict(max_tokens_per_rank=max_tokens_per_rank, backend=backend, nccl_ep_mode=nccl_ep_mode,
+                   timeout=timeout, checks=checks, dtype=dtype, alignment=alignment, capacity_factor=capacity_factor,
+                   overflow=overflow, expert_impl=expert_impl, top_k=top_k)
+    _check_options("register_te_ep", max_tokens_may_be_none=True,
+                   **{k: v for k, v in options.items() if k != "timeout"})
+    registry = EPImplementationInterface()
+    current = registry[name] if name in registry else None
+    if current is not None and not (isinstance(current, type) and issubclass(current, TeEpImplementation)):
+        raise ValueError(f"register_te_ep: name {name!r} is taken by {getattr(current, '__name__', current)!r}, "
+                         "not a te_ep implementation; choose another name")
+    if current is not None and current.options == options:
+        return current
+    cls = type("TeEpImplementation", (TeEpImplementation,),
+               {"options": options, "registered_name": name, "__module__": __name__,
+                "__doc__": f"te_ep registered as ep_implementation={name!r} with options {options}."})
+    EPImplementationInterface.register(name, cls)
+    return cls
+
+
+if HAS_EP_REGISTRY:
+
+    class TeEpImplementation(EPImplementation):
+        """te_ep as transformers' ``EPImplementation`` (>= 5.23): what
+        ``DistributedConfig(ep_implementation="te_ep")`` builds, one per experts module.
+
+        transformers has already split the module's weights ``Shard(0)`` over the EP mesh
+        (its ``grouped_gemm`` rule) and calls this with the rank's own tokens
+        ``hidden_states [T, H]``, the router's ``top_k_index [T, K]`` (global expert ids) and
+        ``top_k_weights [T, K]``, inside a context where the module's parameters are plain
+        local tensors; it returns the weighted sum over each token's experts, as
+        :func:`te_ep_experts_forward` does for :func:`parallelize_hf_moe`.
+
+        The module's :class:`TeEpExpertsState` (``module.te_ep``) is made here when the
+        options name ``max_tokens_per_rank``, else on the first forward, sized to that
+        batch (the largest over the EP ranks: one all-reduce, once per layer). Its handle
+        is made here for the options' ``dtype``, else for the dtype of the first tokens.
+
+        ``options`` (class attribute) are :func:`register_te_ep`'s, which registers a
+        subclass carrying them; this class carries the defaults, registered as ``"te_ep"``
+        when the module is imported.
+        """
+
+        # register_te_ep's defaults (parallelize_hf_moe's, but max_tokens_per_rank=None).
+        options: ClassVar[Dict[str, Any]] = {name: p.default for name, p in
+                                             inspect.signature(register_te_ep).parameters.items() if name != "name"}
+        registered_name: ClassVar[str] = IMPLEMENTATION
+
+        def __init__(self, experts: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh):
+            super().__init__(experts, ep_mesh, tp_mesh)
+            what = f"ep_implementation={self.registered_name!r}"
+            if tp_mesh.size() > 1:
+                raise ValueError(
+                    f"{what}: te_ep needs each rank of the EP group to hold a batch of its own (tp_size=1); here "
+                    f"{tp_mesh.size()} tensor-parallel ranks share one (DistributedConfig tp_size={tp_mesh.size()}); "
+                    "use tp_size=1, or transformers' ep_implementation='auto' or 'all_reduce'"
+                )
+            if not _is_experts_module(experts):
+                raise ValueError(
+                    f"{what}: {type(experts).__name__} is not an experts module of transformers' "
+                    "@use_experts_implementation kind (stacked [num_experts, ...] weights, has_gate/has_bias/"
+                    "is_transposed flags), which is what te_ep runs; keep transformers' own ep_implementation"
+                )
+            self.experts = experts
+            self.name = type(experts).__name__
+            self.layout = _check_layout(self.name, experts, ep_mesh.size(), self.options["top_k"], ep_mesh.device_type,
+                                        entry="register_te_ep", sharded=True)
+            self.state: Optional[TeEpExpertsState] = None
+            if self.options["max_tokens_per_rank"] is not None:
+                self._make_state(self.options["max_tokens_per_rank"])
+
+        def _make_state(self, max_tokens_per_rank: int) -> TeEpExpertsState:
+            """The module's group, state and (for the ``dtype`` option) handle: collective over the EP mesh."""
+            opts, layout = self.options, self.layout
+            group = ep_group_for(self.ep_mesh, num_experts=layout.num_experts, max_tokens_per_rank=max_tokens_per_rank,
+                                 backend=opts["backend"], nccl_ep_mode=opts["nccl_ep_mode"], timeout=opts["timeout"],
+                                 checks=opts["checks"])
+            state = TeEpExpertsState(name=self.name, group=group, top_k=layout.top_k, hidden=layout.hidden,
+                                     expert_impl=opts["expert_impl"], alignment=opts["alignment"],
+                                     capacity_factor=opts["capacity_factor"], dims=layout.dims,
+                                     overflow=opts["overflow"], entry="register_te_ep")
+            if opts["dtype"] is not None:
+                state.create_handle(opts["dtype"])
+            self.experts.te_ep = state
+            self.state = state
+            return state
+
+        def _state_from_first_batch(self, hidden_states: Tensor) -> TeEpExpertsState:
+            if torch.compiler.is_compiling():
+                raise RuntimeError(
+                    f"te_ep experts {self.name!r}: ep_implementation={self.registered_name!r} sizes its buffers from "
+                    "the first batch, which it can't do while torch.compile traces the layer; run one eager step "
+                    "first, or register_te_ep(max_tokens_per_rank=..., dtype=...) so they are made when the model is "
+                    "sharded"
+                )
+            tokens = torch.tensor([hidden_states.numel() // hidden_states.shape[-1]], dtype=torch.int64,
+                                  device=hidden_states.device)
+            dist.all_reduce(tokens, op=dist.ReduceOp.MAX, group=self.ep_mesh.get_group())
+            return self._make_state(max(int(tokens.item()), 1))
+
+        def __call__(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+            state = self.state if self.state is not None else self._state_from_first_batch(hidden_states)
+            return _ep_step(self.experts, state, hidden_states, top_k_index, top_k_weights)
+
+    EPImplementationInterface.register(IMPLEMENTATION, TeEpImplementation)
+else:
+    TeEpImplementation = None

@@ -7,7 +7,10 @@
 1. Equality (tests/_transformers_cases.py ``case_parity``): tiny Qwen3-MoE, Mixtral, gpt-oss
    and DeepSeek-V3 models (hidden 32, 8 experts, top-2) made expert-parallel over all ranks
    with ``parallelize_hf_moe`` (EP over the default group, and EP x FSDP2 on a (1, W) mesh),
-   against the unsharded model on transformers' own "eager" experts: logits, loss and every
+   and on transformers >= 5.23 also sharded by transformers itself with
+   ``DistributedConfig(fsdp_size=W, ep_size=W, ep_implementation="te_ep")`` (layout
+   "registry", ``case_registry_parity``; W >= 2), against the unsharded model on
+   transformers' own "eager" experts: logits, loss and every
    gradient of the whole model, in float32 (max |diff| / max |ref| <= 1e-4; the te_ep
    experts run the loop implementation) and bfloat16 (3e-2; the te_ep experts run
    ``torch._grouped_mm`` on SM90+).
@@ -18,7 +21,8 @@
    combine), in the same run: CUDA events around ``--iters`` iterations after ``--warmup``
    ones, the median of ``--repeats`` such measurements. Prints a table with the ratio
    te_ep / grouped_mm (below 1: te_ep is faster). Both blocks also give the same output
-   (bfloat16 tolerance) on the timed batch.
+   (bfloat16 tolerance) on the timed batch. (benchmarks/bench_transformers.py times the same
+   blocks through transformers' own EP: te_ep against its ``all_to_all``, and in a CUDA graph.)
 
 Exits non-zero if an equality check fails on any rank. ``--device cpu`` runs the same on
 gloo with te_ep's reference backend (timings then say nothing about GPUs).
@@ -48,9 +52,9 @@ import transformers  # noqa: E402
 
 import te_ep_torch  # noqa: E402
 from _dist import Ctx  # noqa: E402
-from _transformers_cases import case_parity  # noqa: E402
+from _transformers_cases import case_parity, case_registry_parity  # noqa: E402
 from te_ep_torch import ep_combine, ep_dispatch  # noqa: E402
-from te_ep_torch.integrations.transformers import parallelize_hf_moe  # noqa: E402
+from te_ep_torch.integrations.transformers import HAS_EP_REGISTRY, parallelize_hf_moe  # noqa: E402
 from te_ep_torch.zones import weighted_for_combine  # noqa: E402
 
 TOL = {"float32": 1e-4, "bfloat16": 3e-2}
@@ -103,15 +107,23 @@ def make_block(family: str, config):
 def check_equality(ctx: Ctx, families) -> bool:
     """``case_parity`` of every family, dtype and layout; prints one line per check (rank 0)."""
     ok = True
+    # transformers shards the model itself only over 2 or more ranks.
+    layouts = ("group", "fsdp") + (("registry",) if HAS_EP_REGISTRY and ctx.world_size > 1 else ())
     for family in families:
         for dtype in ("float32", "bfloat16"):
-            for layout in ("group", "fsdp"):
+            for layout in layouts:
                 name = f"{family} {dtype} {layout} W={ctx.world_size}"
                 error, worst, impls = "", (0.0, ""), []
                 try:
-                    res = case_parity(ctx, family=family, layout=layout, dtype=dtype)
+                    if layout == "registry":
+                        res = case_registry_parity(ctx, family=family, dtype=dtype)
+                        if sorted(res["states"]) != sorted(res["layers"]):
+                            raise AssertionError(f"experts not on te_ep: {res['layers']} vs {sorted(res['states'])}")
+                        impls = sorted({i for st in res["states"].values() for i in st["impls"]})
+                    else:
+                        res = case_parity(ctx, family=family, layout=layout, dtype=dtype)
+                        impls = sorted(set(res["impls"]))
                     worst = max((d["max_abs"] / max(d["ref_max"], 1e-6), n) for n, d in res["diffs"].items())
-                    impls = sorted(set(res["impls"]))
                     if worst[0] > TOL[dtype]:
                         error = f"max |diff| / max |ref| = {worst[0]:.2e} > {TOL[dtype]:g} ({worst[1]})"
                 except Exception:  # noqa: BLE001 (one failing check must not stop the others)

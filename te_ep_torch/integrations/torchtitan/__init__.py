@@ -53,13 +53,13 @@ except ImportError as exc:  # pragma: no cover - exercised only without torchtit
 
 from torchtitan.models.common.moe import GroupedExperts
 
-from .. import group as _group
-from ..autograd import ep_combine, ep_dispatch, ep_dispatch_fp8
-from ..group import BACKENDS, CHECKS, DEFAULT_NCCL_EP_MODE, NCCL_EP_MODES, OVERFLOWS, EpHandle
-from ..moe import GROUPED_MM_ALIGNMENT
-from ..ops import FP8_BLOCK
-from ..parallel import ep_group_for
-from ..zones import expert_ffn, weighted_for_combine
+from ... import group as _group
+from ...autograd import ep_combine, ep_dispatch, ep_dispatch_fp8
+from ...group import BACKENDS, CHECKS, DEFAULT_NCCL_EP_MODE, NCCL_EP_MODES, OVERFLOWS, EpHandle
+from ...moe import GROUPED_MM_ALIGNMENT
+from ...ops import FP8_BLOCK
+from ...parallel import ep_group_for
+from ...zones import expert_ffn, weighted_for_combine
 
 __all__ = [
     "EXPERTS_OVERRIDE_TARGET",
@@ -214,6 +214,10 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
             return
         self._create_handle(self.dtype, self.hidden_dim, self.num_max_tokens_per_rank)
 
+    def handles(self) -> Tuple[EpHandle, ...]:
+        """The layer's te_ep handles, one per token dtype seen (created at wiring or first use)."""
+        return tuple(self._handles.values())
+
     def _create_handle(self, dtype: torch.dtype, hidden: int, max_tokens: int) -> EpHandle:
         if self.ep_mesh is None:
             raise RuntimeError("TeEpTokenDispatcher: no EP mesh; wire_meshes(ep_mesh=...) comes first")
@@ -241,6 +245,15 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
         num_tokens, hidden = x_TD.shape
         handle = self._handles.get(x_TD.dtype)
         if handle is None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                # Creating a handle is collective and allocates its buffers: never inside a capture.
+                raise RuntimeError(
+                    f"TeEpTokenDispatcher: no te_ep handle for {x_TD.dtype} tokens while a CUDA graph is being "
+                    "captured; handles are created when the EP mesh is wired (set hidden_dim, "
+                    f"num_max_tokens_per_rank and dtype; got {self.hidden_dim}, {self.num_max_tokens_per_rank}, "
+                    f"{self.dtype}) or on an eager step before the capture (TeEpTrainer fills them from the "
+                    "trainer config)"
+                )
             if torch.compiler.is_compiling():
                 raise RuntimeError(
                     f"TeEpTokenDispatcher: no te_ep handle for {x_TD.dtype} tokens while torch.compile traces the "
@@ -457,28 +470,34 @@ def te_ep_dispatcher(
 
 
 def use_te_ep(trainer_config: Any, **options: Any) -> Any:
-    """Selects :class:`TeEpTokenDispatcher` in a TorchTitan ``Trainer.Config`` (for ``config_registry`` functions).
+    """Switches a TorchTitan ``Trainer.Config`` to te_ep; returns a :class:`~.trainer.TeEpTrainer` config.
 
-    Adds the :func:`te_ep_dispatcher` override with ``hidden_dim`` (the model's
-    ``dim``), ``num_max_tokens_per_rank`` (``local_batch_size * seq_len / (cp * tp)``,
-    as TorchTitan computes it for DeepEP) and ``dtype`` (``mixed_precision_param``)
-    filled in, so the handles exist before ``torch.compile`` traces the layers, and the
-    :func:`te_ep_experts` override (the experts' work bounded by the routed rows).
-    ``options`` (any :func:`te_ep_dispatcher` kwarg) take precedence. Returns the config.
+    For ``config_registry`` functions (``return use_te_ep(my_config(), capacity_factor=1.25)``);
+    ``--module te_ep_torch.integrations.torchtitan`` does the same to TorchTitan's own configs.
+    In the config's model tree, now (TorchTitan's override mechanism, so the result is what
+    ``--override.imports`` would give): every EP token dispatcher becomes a
+    :class:`TeEpTokenDispatcher` (:func:`te_ep_dispatcher`; ``options`` are its kwargs) and the
+    plain ``GroupedExperts`` become :class:`TeEpGroupedExperts` (:func:`te_ep_experts`). The
+    returned config has the same fields; its Trainer admits te_ep to TorchTitan's CUDA-graph
+    step and fills the sizes not given in ``options`` from the final config, CLI included
+    (:func:`~.trainer.fill_sizes`). ``trainer_config``'s tree is changed in place: use the
+    returned config, whose Trainer is the one that captures te_ep.
     """
-    training, parallelism = trainer_config.training, trainer_config.parallelism
-    shards = parallelism.context_parallel_degree * parallelism.tensor_parallel_degree
-    kwargs: Dict[str, Any] = {
-        "hidden_dim": trainer_config.model_spec.model.dim,
-        "num_max_tokens_per_rank": -(-training.local_batch_size * training.seq_len // shards),
-        "dtype": training.mixed_precision_param,
-    }
-    kwargs.update(options)
-    imports = trainer_config.override.imports
-    for entry in imports:
+    from torchtitan.config.override import OverrideConfig, apply_overrides
+
+    from .trainer import TeEpTrainer  # TorchTitan's Trainer and its training stack
+
+    for entry in trainer_config.override.imports:
         name = entry if isinstance(entry, str) else entry[0]
         if name in (OVERRIDE_TARGET, EXPERTS_OVERRIDE_TARGET):
-            raise ValueError(f"use_te_ep: {name} is already in override.imports")
-    imports.append((OVERRIDE_TARGET, kwargs))
-    imports.append(EXPERTS_OVERRIDE_TARGET)
-    return trainer_config
+            raise ValueError(
+                f"use_te_ep: {name} is already in override.imports; pass its options to use_te_ep instead"
+            )
+    apply_overrides(OverrideConfig(imports=[(OVERRIDE_TARGET, dict(options)), EXPERTS_OVERRIDE_TARGET]),
+                    trainer_config)
+    if trainer_config.model_spec is None or not any(
+        True for _ in trainer_config.model_spec.model.traverse(TeEpTokenDispatcher.Config)
+    ):
+        raise ValueError("use_te_ep: trainer_config's model has no MoE token dispatcher for te_ep to replace")
+    values = {f.name: getattr(trainer_config, f.name) for f in dataclasses.fields(trainer_config) if f.init}
+    return TeEpTrainer.Config(**values)
