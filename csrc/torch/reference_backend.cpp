@@ -4,7 +4,6 @@
 // determinism over speed: routing is planned on the host, rows move with
 // all_to_all_single, and sums run in a fixed order in float32.
 #include <ATen/ATen.h>
-#include <torch/csrc/distributed/c10d/Functional.hpp>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -68,8 +67,10 @@ class ReferenceBackend final : public Backend {
     TORCH_INTERNAL_ASSERT(build_plan(topk_idx, &plan).empty(), "prepare called with unvalidated routing");
 
     at::Tensor send_counts = at::from_blob(plan.counts.data(), {buckets_}, at::kLong).to(cfg_.device);
-    const std::vector<int64_t> even(cfg_.ep_size, cfg_.num_local_experts());
-    at::Tensor recv_host = all_to_all(send_counts, even, even).cpu();
+    at::Tensor recv_counts = at::empty_like(send_counts);
+    std::vector<int64_t> even(cfg_.ep_size, cfg_.num_local_experts());
+    pg()->alltoall_base(recv_counts, send_counts, even, even)->wait();
+    at::Tensor recv_host = recv_counts.cpu();
 
     common::ZoneLayout layout =
         common::make_zone_layout(recv_host.data_ptr<int64_t>(), cfg_.ep_size, cfg_.num_local_experts(), cfg_.alignment);
@@ -217,22 +218,14 @@ class ReferenceBackend final : public Backend {
     for (int64_t r : recv_rows) total += r;
     std::vector<int64_t> row_shape(send.sizes().begin(), send.sizes().end());
     row_shape[0] = total;
+    at::Tensor recv = at::empty(row_shape, send.options());
     // Row width from the shape, not from numel: a rank may send or receive no rows.
     int64_t row_bytes = send.element_size();
     for (size_t d = 1; d < row_shape.size(); ++d) row_bytes *= row_shape[d];
     at::Tensor send_bytes = send.contiguous().view(at::kByte).view({send.size(0), row_bytes});
-    return all_to_all(send_bytes, recv_rows, send_rows).view(send.scalar_type()).view(row_shape);
-  }
-
-  // Blocks until the exchange is done (NCCL: until the current stream waits for it). torch's
-  // functional all_to_all_single is the form current in torch 2.11 through 2.15:
-  // ProcessGroup::alltoall_base is deprecated in 2.15 and its successor, all_to_all_single, is
-  // missing from 2.11, whose gloo has no list alltoall either.
-  at::Tensor all_to_all(const at::Tensor& send, const std::vector<int64_t>& recv_rows,
-                        const std::vector<int64_t>& send_rows) const {
-    pg();  // the functional op finds the group by name: it must still be this handle's
-    return c10d::wait_tensor(c10d::all_to_all_single(send, c10::fromIntArrayRefSlow(recv_rows),
-                                                     c10::fromIntArrayRefSlow(send_rows), cfg_.group_name));
+    at::Tensor recv_bytes = recv.view(at::kByte).view({total, row_bytes});
+    pg()->alltoall_base(recv_bytes, send_bytes, recv_rows, send_rows)->wait();
+    return recv;
   }
 
   at::Tensor to_experts(const at::Tensor& rows, const Plan& plan) {
