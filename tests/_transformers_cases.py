@@ -129,6 +129,25 @@ def _full(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().clone()
 
 
+def _against_reference(ctx, model, ref, ids, out, names):
+    """The unsharded reference's step on every rank's batch (its loss the mean over ranks, as the
+    sharded step's gradients are), and the logits and loss differences of ``out`` from it."""
+    ref_losses, ref_logits = [], None
+    for r, x in enumerate(ids):
+        o = ref(x, labels=x)
+        ref_losses.append(o.loss)
+        if r == ctx.rank:
+            ref_logits = o.logits.detach().float()
+    (torch.stack(ref_losses).sum() / len(ids)).backward()
+
+    diffs = {"logits": _diff(out.logits.detach().float(), ref_logits),
+             "loss": _diff(out.loss.detach().float().reshape(1), ref_losses[ctx.rank].detach().float().reshape(1))}
+    params = dict(model.named_parameters())
+    if sorted(params) != sorted(names):
+        raise AssertionError(f"parameter names changed: {sorted(set(params) ^ set(names))}")
+    return diffs, params
+
+
 def _diff(a: torch.Tensor, b: torch.Tensor) -> Dict[str, float]:
     return {"max_abs": (a - b).abs().max().item() if a.numel() else 0.0,
             "ref_max": b.abs().max().item() if b.numel() else 0.0}
@@ -205,19 +224,7 @@ def case_parity(ctx, *, family: str, layout: str, ep: Optional[int] = None, dtyp
     out = model(ids[ctx.rank], labels=ids[ctx.rank])
     out.loss.backward()
 
-    ref_losses, ref_logits = [], None
-    for r, x in enumerate(ids):
-        o = ref(x, labels=x)
-        ref_losses.append(o.loss)
-        if r == ctx.rank:
-            ref_logits = o.logits.detach().float()
-    (torch.stack(ref_losses).sum() / W).backward()
-
-    diffs = {"logits": _diff(out.logits.detach().float(), ref_logits),
-             "loss": _diff(out.loss.detach().float().reshape(1), ref_losses[ctx.rank].detach().float().reshape(1))}
-    params = dict(model.named_parameters())
-    if sorted(params) != sorted(names):
-        raise AssertionError(f"parameter names changed: {sorted(set(params) ^ set(names))}")
+    diffs, params = _against_reference(ctx, model, ref, ids, out, names)
     for name, p_ref in ref.named_parameters():
         p = params[name]
         if p.grad is None or p_ref.grad is None:
@@ -481,19 +488,7 @@ def case_registry_parity(ctx, *, family: str, ep: Optional[int] = None, dtype: s
     ids = [batch(r).to(device) for r in range(W)]
     out = model(ids[ctx.rank], labels=ids[ctx.rank])
     out.loss.backward()
-    ref_losses, ref_logits = [], None
-    for r, x in enumerate(ids):
-        o = ref(x, labels=x)
-        ref_losses.append(o.loss)
-        if r == ctx.rank:
-            ref_logits = o.logits.detach().float()
-    (torch.stack(ref_losses).sum() / W).backward()
-
-    diffs = {"logits": _diff(out.logits.detach().float(), ref_logits),
-             "loss": _diff(out.loss.detach().float().reshape(1), ref_losses[ctx.rank].detach().float().reshape(1))}
-    params = dict(model.named_parameters())
-    if sorted(params) != sorted(names):
-        raise AssertionError(f"parameter names changed: {sorted(set(params) ^ set(names))}")
+    diffs, params = _against_reference(ctx, model, ref, ids, out, names)
     for name, p_ref in ref.named_parameters():
         p = params[name]
         if p.grad is None or p_ref.grad is None:
