@@ -172,10 +172,10 @@ def main(argv=None) -> int:
     def capacity(name):
         if name == "all_to_all":
             return "-"
-        return next(iter(layers[name].routed_experts.token_dispatcher._handles.values())).config.capacity
+        return layers[name].routed_experts.token_dispatcher.handles()[0].config.capacity
 
     if rank == 0:
-        handle = next(iter(layers["te_ep"].routed_experts.token_dispatcher._handles.values()))
+        handle = layers["te_ep"].routed_experts.token_dispatcher.handles()[0]
         print(f"TorchTitan MoE layer fwd+bwd, EP={world} on {device.type} "
               f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'gloo'}): "
               f"T/rank={args.tokens_per_rank} dim={args.dim} ffn={args.ffn} E={args.experts} top-{args.top_k} "

@@ -132,3 +132,14 @@ def _permute_dtensor_handler(op_call, args, kwargs):
 
 if torch.distributed.is_available():
     _register_dtensor_rules()
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of an expert-parallel DTensor parameter (the tensor itself otherwise):
+    what the expert FFNs of ``te.MoE`` and both integrations run on."""
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor):
+            return t.to_local()
+    return t

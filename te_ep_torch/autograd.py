@@ -173,7 +173,7 @@ def ep_dispatch(
         :class:`DispatchOutput`; gradients flow back to ``tokens`` and ``topk_weights``.
     """
     # Without a prepared routing, one op prepares and dispatches (prepare_dispatch).
-    topk_idx = handle._new_step(topk_idx) if prepared is None else None
+    topk_idx = handle.begin_step(topk_idx) if prepared is None else None
     if _needs_graph(tokens, topk_weights):
         out = _Dispatch.apply(tokens, topk_weights, handle, topk_idx)
     else:  # nothing to differentiate: the op alone, without the autograd Function's host cost
@@ -333,7 +333,7 @@ def ep_dispatch_fp8(
     elif scales is not None and tokens.dtype != torch.float8_e4m3fn:
         bad = f"ep_dispatch_fp8: tokens given with scales must be torch.float8_e4m3fn, got {tokens.dtype}"
     # Without a prepared routing, one op prepares and dispatches (prepare_dispatch_fp8).
-    topk_idx = handle._new_step(topk_idx) if prepared is None else None
+    topk_idx = handle.begin_step(topk_idx) if prepared is None else None
     try:
         if _needs_graph(tokens, topk_weights):
             out = _DispatchFp8.apply(tokens, scales, topk_weights, handle, pow2_scales, bad is not None, topk_idx)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-import math
-import numbers
 import socket
 import warnings
 import weakref
@@ -16,7 +14,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _agreement, _nccl_ep, ops
+from . import _agreement, _nccl_ep, capacity as _capacity, ops
+# Moved to te_ep_torch.capacity (0.4.0); kept importable from here.
+from .capacity import capacity_for_factor, check_capacity_factor, nccl_ep_capacity_floor  # noqa: F401
+from .capacity import _is_power_of_two, _old_fraction_rows
 
 __all__ = ["EpGroup", "EpHandle", "HandleConfig", "BACKENDS", "NCCL_EP_MODES", "DEFAULT_NCCL_EP_MODE", "CHECKS", "OVERFLOWS"]
 
@@ -108,88 +109,6 @@ def _timeout_ms(timeout, pg: dist.ProcessGroup, device: torch.device) -> int:
     if not isinstance(seconds, (int, float)) or not seconds > 0:
         raise ValueError(f"EpGroup: timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
     return max(1, int(seconds * 1000))
-
-
-def nccl_ep_capacity_floor(max_tokens_per_rank: int) -> int:
-    """The least capacity ``nccl_ep`` takes: NCCL EP's receive budget may not be below its send
-    budget, ``max_tokens_per_rank`` rounded up to a multiple of :data:`NCCL_EP_EXPERT_MULTIPLE`.
-    The rule is the C++ backend's (``nccl_ep_capacity_floor`` in csrc/torch/backend.h)."""
-    return int(torch.ops.te_ep._nccl_ep_capacity_floor(max_tokens_per_rank))
-
-
-def check_capacity_factor(factor: object, what: str, same_rows: str = "") -> None:
-    """The one rule for a ``capacity_factor`` argument (``EpGroup.create_handle``, ``MoE``,
-    ``parallelize_moe_model``, the TorchTitan and transformers integrations): ``None`` (the worst
-    case) or a finite number >= 1.0, else ``ValueError`` naming ``what``. ``same_rows`` ends the
-    message for a value of the removed fractional meaning (what gives its old rows).
-
-    The factor multiplies the mean receive load of a rank (:meth:`EpGroup.capacity_for_factor`).
-    Values below 1.0 are refused rather than taken: they size the buffer below what a balanced
-    routing puts on every rank, so the ordinary step would raise (``overflow="raise"``, the
-    default) or drop choices (``"drop"``; docs/ops.md, "Capacity"); and (0, 1) is the range of
-    the old meaning (a fraction of the worst case), whose configurations would otherwise run
-    with other rows."""
-    if factor is None:
-        return
-    if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not math.isfinite(factor):
-        raise ValueError(f"{what}: capacity_factor must be None (the worst case) or a finite number >= 1.0 (a "
-                         f"multiplier of the mean receive load, typically 1.0 to 2.0), got {factor!r}")
-    if 0 < factor < 1:
-        raise ValueError(
-            f"{what}: capacity_factor is now a multiplier of the mean receive load of a rank (the Megatron/GShard/"
-            "TorchTitan meaning: capacity_factor x top_k x max_tokens_per_rank rows plus zone padding) and must be "
-            f">= 1.0 (typically 1.0 to 2.0; None = the worst case), got {factor!r}. Its old meaning, a fraction of "
-            "the worst case, was removed in te_ep_torch 0.3.0; "
-            + (same_rows or "the old fraction f gives the rows of capacity_factor = f x EP size x min(top_k, experts "
-                            "per rank) / top_k"))
-    if factor < 1:
-        raise ValueError(f"{what}: capacity_factor must be None (the worst case) or >= 1.0 (a multiplier of the mean "
-                         f"receive load, typically 1.0 to 2.0), got {factor!r}")
-
-
-def capacity_for_factor(ep_size: int, max_tokens_per_rank: int, top_k: int, num_local_experts: int, alignment: int,
-                        factor: float) -> int:
-    """:meth:`EpGroup.capacity_for_factor` for any sizes, without a group (e.g. a table of
-    buffer sizes over EP sizes): ``ceil(factor * top_k * max_tokens_per_rank)`` plus every
-    zone's padding, within [:func:`nccl_ep_capacity_floor`, the worst case]."""
-    for name, value in (("ep_size", ep_size), ("max_tokens_per_rank", max_tokens_per_rank), ("top_k", top_k),
-                        ("num_local_experts", num_local_experts), ("alignment", alignment)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"capacity_for_factor: {name} must be a positive int, got {value!r}")
-    if not _is_power_of_two(alignment):
-        raise ValueError(f"capacity_for_factor: alignment must be a power of two, got {alignment!r}")
-    if factor is None:
-        raise ValueError("capacity_for_factor: factor must be a number >= 1.0, got None (the worst case is "
-                         "worst_case_capacity)")
-    check_capacity_factor(factor, "capacity_for_factor", _old_fraction_rows(
-        ep_size, max_tokens_per_rank, top_k, num_local_experts, alignment, factor))
-    rows = math.ceil(factor * top_k * max_tokens_per_rank) + num_local_experts * (alignment - 1)
-    return _within_bounds(rows, ep_size, max_tokens_per_rank, top_k, num_local_experts, alignment)
-
-
-def _within_bounds(rows: int, ep_size: int, max_tokens_per_rank: int, top_k: int, num_local_experts: int,
-                   alignment: int) -> int:
-    """``rows`` raised to NCCL EP's floor and lowered to the worst case (the floor wins where
-    the worst case is below it: top_k=1 at EP size 1)."""
-    floor = nccl_ep_capacity_floor(max_tokens_per_rank)
-    worst = ops.worst_case_capacity(ep_size, max_tokens_per_rank, top_k, num_local_experts, alignment)
-    return min(max(rows, floor), max(floor, worst))
-
-
-def _old_fraction_rows(ep_size: int, max_tokens_per_rank: int, top_k: int, num_local_experts: int, alignment: int,
-                       factor: object) -> str:
-    """The end of the message that refuses a factor of the removed fractional meaning: the
-    capacity that fraction gave (of the worst case's token rows, plus padding)."""
-    if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 < factor < 1:
-        return ""
-    rows = math.ceil(factor * ep_size * max_tokens_per_rank * min(top_k, num_local_experts))
-    rows += num_local_experts * (alignment - 1)
-    rows = _within_bounds(rows, ep_size, max_tokens_per_rank, top_k, num_local_experts, alignment)
-    return f"for the receive rows it gave, pass capacity={rows} instead"
-
-
-def _is_power_of_two(v: int) -> bool:
-    return v > 0 and v & (v - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,7 +288,7 @@ class EpGroup:
 
     def worst_case_capacity(self, top_k: int, alignment: int = 1) -> int:
         """Receive rows that no routing can overflow (the default capacity)."""
-        return ops.worst_case_capacity(self.ep_size, self.max_tokens_per_rank, top_k, self.num_local_experts, alignment)
+        return _capacity.worst_case(self.ep_size, self.max_tokens_per_rank, top_k, self.num_local_experts, alignment)
 
     def capacity_for_factor(self, top_k: int, alignment: int, factor: float) -> int:
         """Receive rows for ``capacity_factor=factor``: the one rule behind every
@@ -614,10 +533,9 @@ class EpHandle:
         self.key = torch.tensor([self.id], dtype=torch.int64)
         # overflow="drop": each local expert's share of the receive rows, None where nothing
         # can overflow (the worst-case capacity) or overflow raises.
-        worst = group.worst_case_capacity(config.top_k, config.alignment)
-        self.expert_share: Optional[int] = None
-        if config.overflow == "drop" and config.capacity < worst:
-            self.expert_share = config.capacity // group.num_local_experts // config.alignment * config.alignment
+        self.expert_share: Optional[int] = _capacity.expert_share(
+            config.capacity, group.worst_case_capacity(config.top_k, config.alignment), group.num_local_experts,
+            config.alignment, config.overflow)
         # Choices this rank dropped per global expert since the handle was made (int64 [E],
         # on the device, never read back by te_ep: no host sync).
         self.dropped = torch.zeros(group.num_experts, dtype=torch.int64, device=group.device)
@@ -700,50 +618,21 @@ class EpHandle:
         padding included, int32 ``[E_local]``) and their sum (int32 ``[1]``), on device.
         """
         handle_id, key = self.op_ids()
-        return ops.prepare(self._new_step(topk_idx), self.handle_mem, self.group.group_name, handle_id,
+        return ops.prepare(self.begin_step(topk_idx), self.handle_mem, self.group.group_name, handle_id,
                            self.group.num_local_experts, key)
 
-    def _new_step(self, topk_idx: Tensor) -> Tensor:
+    def begin_step(self, topk_idx: Tensor) -> Tensor:
         """What every prepare of a step does before its op (``prepare`` and ``ep_dispatch``
-        alike): a new generation, and with an ``expert_share`` the choices past it dropped.
-        Returns the routing the op gets."""
+        alike): a new generation, and with an ``expert_share`` the choices past it dropped
+        (:func:`te_ep_torch.capacity.drop_past_share`). Returns the routing the op gets."""
         # A prepare inside a running backward is activation checkpointing recomputing
         # this layer's forward: the same routing again, which the original graph's
         # backward nodes (made at the older generation) may use.
         if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() == -1:
             self._generation += 1
         if self.expert_share is not None:
-            topk_idx = self._drop_past_share(topk_idx)
+            topk_idx = _capacity.drop_past_share(self.group, topk_idx, self.expert_share, self.dropped)
         return topk_idx
-
-    def _drop_past_share(self, topk_idx: Tensor) -> Tensor:
-        """``topk_idx`` with the choices past their expert's share set to -1 (overflow="drop").
-
-        The order is global: source rank, then token, then choice. A choice's place in its
-        expert's queue is its place among this rank's choices of that expert plus the choices
-        of that expert on the ranks before it (one all-gather of ``[E]`` counts, on the
-        device). Ids outside ``[0, E)`` are left as they are, for the ops' checks."""
-        group = self.group
-        num_experts = group.num_experts
-        flat = topk_idx.reshape(-1).to(torch.int64)
-        valid = (flat >= 0) & (flat < num_experts)
-        key = torch.where(valid, flat, num_experts)  # invalid ids form a last group of their own
-        expert = torch.where(valid, flat, 0)  # an index for every choice; `valid` masks what it reads
-        counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device).index_add_(
-            0, key, torch.ones_like(key))
-        order = torch.sort(key, stable=True).indices
-        starts = counts.cumsum(0) - counts
-        place = torch.empty_like(key)
-        place[order] = torch.arange(key.numel(), device=key.device) - starts[key[order]]
-        if group.ep_size > 1:
-            from torch.distributed import _functional_collectives as funcol
-
-            every = funcol.all_gather_tensor(counts[:num_experts].contiguous(), 0, group.group_name)
-            before = every.view(group.ep_size, num_experts)[: group.rank].sum(0)
-            place = place + before[expert]
-        drop = valid & (place >= self.expert_share)
-        self.dropped.index_add_(0, expert, drop.to(torch.int64))
-        return torch.where(drop.view(topk_idx.shape), torch.full_like(topk_idx, -1), topk_idx)
 
     def destroy(self) -> None:
         """Releases the handle (idempotent)."""

@@ -21,12 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .autograd import ep_combine, ep_dispatch, ep_dispatch_fp8
+from ._dtensor_rules import local_tensor as _local
 from .group import EpGroup, EpHandle
 from .ops import FP8_BLOCK, dequantize_fp8, quantize_fp8
-from .overlap import comm_stream_for, join, launch
+from .options import EpOptions
+from .overlap import comm_stream_for
 from .permutation import permute, unpermute, worst_case_capacity
-from .zones import expert_ffn, weighted_for_combine, zone_scale
+from .step import EpStep
+from .zones import expert_ffn, zone_scale
 
 __all__ = [
     "EXPERT_IMPLS",
@@ -47,16 +49,6 @@ EXPERT_IMPLS = ("auto", "grouped_mm", "loop")
 # operand, its backward included (where the groups split the contraction dim); 16
 # rows keeps that true for bf16 and for 8-bit types alike.
 GROUPED_MM_ALIGNMENT = 16
-
-
-def _local(t: Tensor) -> Tensor:
-    """The local shard of an expert-parallel DTensor parameter (the tensor itself otherwise)."""
-    if torch.distributed.is_available():
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(t, DTensor):
-            return t.to_local()
-    return t
 
 
 @torch.compiler.assume_constant_result
@@ -502,17 +494,27 @@ class MoE(nn.Module):
             SwiGLU(hidden, shared_expert_ffn_hidden, dtype=dtype, device=device) if shared_expert_ffn_hidden else None
         )
         self.aux_loss: Optional[Tensor] = None
-        self._ep_group: Optional[EpGroup] = None
-        self._handles: Dict[torch.dtype, EpHandle] = {}
+        self._step: Optional[EpStep] = None
 
     @property
     def ep_group(self) -> Optional[EpGroup]:
         """The :class:`EpGroup` tokens are dispatched over, ``None`` without expert parallelism."""
-        return self._ep_group
+        return None if self._step is None else self._step.group
+
+    @property
+    def ep_step(self) -> Optional[EpStep]:
+        """The layer's communication step (:class:`~te_ep_torch.step.EpStep`), ``None`` without
+        expert parallelism."""
+        return self._step
+
+    @property
+    def handles(self) -> Dict[torch.dtype, EpHandle]:
+        """The layer's handles by token dtype (empty without expert parallelism)."""
+        return {} if self._step is None else dict(self._step.handles)
 
     @property
     def ep_size(self) -> int:
-        return 1 if self._ep_group is None else self._ep_group.ep_size
+        return 1 if self._step is None else self._step.group.ep_size
 
     def zone_alignment(self, device: torch.device, dtype: torch.dtype) -> int:
         """Rows each expert's zone is padded to for tokens on ``device`` of ``dtype``."""
@@ -529,6 +531,7 @@ class MoE(nn.Module):
         capacity_factor: Optional[float] = None,
         checks: Optional[str] = None,
         overflow: str = "raise",
+        options: Optional[EpOptions] = None,
     ) -> None:
         """Dispatches tokens over ``ep_group`` from now on (collective: creates a handle).
 
@@ -553,6 +556,9 @@ class MoE(nn.Module):
                 ``"raise"`` (``capacity overflow`` on every rank) or ``"drop"`` (the choices
                 past each expert's share are dropped and counted;
                 ``EpGroup.create_handle``).
+            options: the same handle options as one :class:`~te_ep_torch.options.EpOptions`
+                (its ``capacity``, ``capacity_factor`` and ``overflow``), instead of those
+                keywords; ``checks`` stays the argument above.
         """
         if ep_group.num_experts != self.num_experts:
             raise ValueError(
@@ -566,28 +572,27 @@ class MoE(nn.Module):
                 f"{ep_group.num_local_experts} (num_experts / ep_size); shard the expert weights first "
                 "(te_ep_torch.parallel.ExpertParallel)"
             )
-        if self._ep_group is not None and self._ep_group is not ep_group:
+        if self._step is not None and self._step.group is not ep_group:
             raise RuntimeError("MoE.enable_expert_parallel: the layer already uses another EpGroup")
+        keywords = dict(capacity=capacity, capacity_factor=capacity_factor, overflow=overflow)
+        if options is None:
+            options = EpOptions.build("MoE.enable_expert_parallel", **keywords)
+        elif keywords != dict(capacity=None, capacity_factor=None, overflow="raise"):
+            raise ValueError("MoE.enable_expert_parallel: pass options or the keywords capacity, capacity_factor and "
+                             "overflow, not both")
         dtype = dtype if dtype is not None else self.experts.w_gate.dtype
-        if dtype in self._handles:
-            return
-        self._ep_group = ep_group
-        self._handles[dtype] = ep_group.create_handle(
-            top_k=self.top_k,
-            hidden=self.hidden,
-            dtype=dtype,
-            alignment=self.zone_alignment(ep_group.device, dtype),
-            capacity=capacity,
-            capacity_factor=capacity_factor,
-            dispatch_dtype=self.dispatch_dtype,
-            checks=checks,
-            overflow=overflow,
-        )
+        if self._step is None:
+            self._step = EpStep(
+                ep_group, top_k=self.top_k, hidden=self.hidden,
+                alignment=lambda dt: self.zone_alignment(ep_group.device, dt), options=options,
+                fp8=self.dispatch_dtype is not None, name="MoE", tokens_arg="x", lazy=False,
+                eager_hint="call enable_expert_parallel(ep_group, dtype=...) for that dtype first")
+        self._step.add_handle(dtype, options, checks=checks)
 
     def forward(self, x: Tensor, return_aux_loss: bool = False):
         shape = x.shape
         tokens = x.reshape(-1, self.hidden)
-        if self._ep_group is None:
+        if self._step is None:
             routing = self.router(tokens)
             y = self._experts_local(tokens, routing)
             if self.shared_expert is not None:
@@ -627,41 +632,21 @@ class MoE(nn.Module):
         load statistics, aux loss, shared expert's gate/up -> join -> experts, weighting ->
         [combine launched on ``comm``] -> shared expert's down -> join.
         """
-        handle = self._handles.get(tokens.dtype)
-        if handle is None:
-            raise RuntimeError(
-                f"MoE: no expert-parallel handle for {tokens.dtype} tokens (have {sorted(map(str, self._handles))}); "
-                f"call enable_expert_parallel(ep_group, dtype={tokens.dtype}) first"
-            )
-        comm = comm_stream_for(tokens.device) if self.overlap else None
-        prepared, dispatched = [], []
-
-        def dispatch(topk_idx: Tensor, topk_weights: Tensor):
-            if self.dispatch_dtype is not None:
-                return ep_dispatch_fp8(handle, tokens, topk_idx, topk_weights, prepared=prepared[0])
-            return ep_dispatch(handle, tokens, topk_idx, topk_weights, prepared=prepared[0])
-
-        def launch_dispatch(topk_idx: Tensor, topk_weights: Tensor) -> None:
-            dispatched.append(launch(comm, lambda: dispatch(topk_idx, topk_weights), (tokens, topk_weights)))
-
-        # The router's load statistics and aux loss run after the dispatch's launch (on_weights).
-        routing = self.router(
-            tokens, on_select=lambda topk_idx: prepared.append(handle.prepare(topk_idx)), on_weights=launch_dispatch
-        )
+        step = self._step
+        step.handle_for(tokens)  # before the router: a missing handle raises ahead of any collective
         shared_expert = self.shared_expert
-        split = _splittable(shared_expert)
-        shared = hidden = None
-        if split:
-            hidden = shared_expert.gate_up(tokens)  # behind the dispatch
-        elif shared_expert is not None:
-            shared = shared_expert(tokens)  # the whole of an expert that can't be split
-        out = join(comm, dispatched[0])
-        rows = out.dequantize(tokens.dtype) if self.dispatch_dtype is not None else out.tokens
-        y = weighted_for_combine(self.experts(rows, out.expert_counts), out.weights, out.expert_counts, handle)
-        combined = launch(comm, lambda: ep_combine(handle, y, tokens.shape[0]), (y,))
-        if split:
-            shared = shared_expert.down(hidden)  # behind the combine
-        return routing, join(comm, combined), shared
+        if _splittable(shared_expert):
+            behind_dispatch, behind_combine = (lambda: shared_expert.gate_up(tokens)), shared_expert.down
+        elif shared_expert is not None:  # the whole of an expert that can't be split, behind the dispatch
+            behind_dispatch, behind_combine = (lambda: shared_expert(tokens)), None
+        else:
+            behind_dispatch = behind_combine = None
+        # The router's load statistics and aux loss run after the dispatch's launch (on_weights).
+        combined, shared, routing = step.run(
+            tokens, lambda on_select, on_weights: self.router(tokens, on_select=on_select, on_weights=on_weights),
+            self.experts, comm=comm_stream_for(tokens.device) if self.overlap else None,
+            behind_dispatch=behind_dispatch, behind_combine=behind_combine)
+        return routing, combined, shared
 
     @torch.no_grad()
     def update_expert_bias(self) -> Optional[Tensor]:
@@ -723,7 +708,7 @@ def expert_load_stats(model: nn.Module, global_sum: bool = False, reset: bool = 
             stats[name] = module.read_expert_load(global_sum)
             if reset:
                 module.reset_expert_load()
-            dropping = [h for h in module._handles.values() if h.config.overflow == "drop"]
+            dropping = [h for h in module.handles.values() if h.config.overflow == "drop"]
             if dropping:
                 stats[f"{name}.dropped"] = sum(h.dropped for h in dropping)
     return stats

@@ -246,7 +246,7 @@ def case_parity(
     dispatcher = ours.routed_experts.token_dispatcher
     if not isinstance(dispatcher, TeEpTokenDispatcher) or dispatcher.ep_mesh is None:
         raise AssertionError(f"the override did not give an EP-wired TeEpTokenDispatcher: {dispatcher!r}")
-    if compile and not dispatcher._handles:
+    if compile and not dispatcher.handles():
         raise AssertionError("the handle should exist before compiling (sizes were given)")
     module = None
     if compile:
@@ -273,7 +273,7 @@ def case_parity(
     for name in ref_g:
         diffs[name + ".grad"] = _diff(our_g[name], ref_g[name])
     counts = _global_expert_counts(ref, x, ref_pd, ref_pd.get_mesh("ep").get_group())
-    handle = repr(next(iter(dispatcher._handles.values())))
+    handle = repr(dispatcher.handles()[0])
     return {"diffs": diffs, "counts": counts, "handle": handle, "ep": ep}
 
 
@@ -484,11 +484,11 @@ def case_compiled_fsdp_blocks(ctx, *, ep: int, experts: str = "efsdp_size_1", co
                                                experts=experts)
                 if name == "te_ep":
                     dispatchers = [b.moe.routed_experts.token_dispatcher for b in model.layers.values()]
-                    if not all(isinstance(d, TeEpTokenDispatcher) and d.ep_mesh is not None and d._handles
+                    if not all(isinstance(d, TeEpTokenDispatcher) and d.ep_mesh is not None and d.handles()
                                for d in dispatchers):
                         raise AssertionError(f"the override did not give EP-wired TeEpTokenDispatchers with "
                                              f"handles: {dispatchers}")
-                    if len({id(d._handles[torch.float32]) for d in dispatchers}) != num_layers:
+                    if len({id(d.handles()[0]) for d in dispatchers}) != num_layers:
                         raise AssertionError("the MoE layers do not have one te_ep handle each")
                 wrapping[name] = _wrapping_of(model)
                 runs[name] = _run_steps(model, pd, xs, lr=0.05)

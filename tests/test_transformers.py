@@ -139,7 +139,7 @@ def test_a_batch_too_long_on_one_rank_raises_on_every_rank(pools):
     results = pools.run(2, case_bad_batch_one_rank, timeout=120)
     faulty, other = results[1], results[0]
     assert faulty["type"] == "ValueError", faulty
-    assert "22 tokens reached the experts, more than max_tokens_per_rank=16" in faulty["message"], faulty
+    assert "hidden_states has 22 tokens, more than max_tokens_per_rank=16" in faulty["message"], faulty
     assert other["type"] == "RuntimeError" and "te_ep.prepare" in other["message"], other
     assert "rank 1" in other["message"], other
 

@@ -80,12 +80,13 @@ try:
 except ImportError:  # transformers 5.17 to 5.22: no EP registry, parallelize_hf_moe only
     EPImplementation = EPImplementationInterface = None
 
-from .. import group as _group
-from ..autograd import ep_combine, ep_dispatch
-from ..group import BACKENDS, CHECKS, DEFAULT_NCCL_EP_MODE, NCCL_EP_MODES, EpGroup, EpHandle
-from ..moe import GROUPED_MM_ALIGNMENT, grouped_mm_supported
+from .._dtensor_rules import local_tensor as _local
+from ..group import DEFAULT_NCCL_EP_MODE, EpGroup, EpHandle
+from ..moe import EXPERT_IMPLS, GROUPED_MM_ALIGNMENT, grouped_mm_supported
+from ..options import EpOptions
 from ..parallel import _flat_dp_mesh, ep_group_for
-from ..zones import expert_ffn, weighted_for_combine
+from ..step import EpStep
+from ..zones import expert_ffn
 
 __all__ = [
     "EXPERT_IMPLS",
@@ -114,7 +115,6 @@ try:
     _GPT_OSS_APPLY_GATE = _GptOssExperts._apply_gate
 except ImportError:  # pragma: no cover - a transformers without gpt-oss
     _GPT_OSS_APPLY_GATE = None
-EXPERT_IMPLS = ("auto", "grouped_mm", "loop")
 
 # Parameters of a decorated experts module, by transformers' naming; te_ep shards exactly
 # these (dim 0 = experts) and refuses a module with any other parameter or buffer.
@@ -134,14 +134,16 @@ class TeEpExpertsState:
         group: the :class:`~te_ep_torch.EpGroup` its tokens travel over.
         top_k: experts per token (the router's).
         hidden: token width.
-        handles: one handle per token dtype (the first made by :func:`parallelize_hf_moe`, or
-            on the first forward of :class:`TeEpImplementation` unless its ``dtype`` option
-            names it; tokens of another dtype get their own on first eager use).
-        impls: the grouped-GEMM implementation per token dtype (``"grouped_mm"`` or ``"loop"``).
-        expert_impl, alignment, capacity_factor, overflow: the options they were made with.
+        expert_impl, alignment: the grouped-GEMM implementation (``"auto"``, ``"grouped_mm"``,
+            ``"loop"``) and zone alignment (``None``: what the implementation wants) asked for.
         dims: the feature dims of the experts' GEMMs (what ``torch._grouped_mm`` needs aligned).
+        options: the handles' :class:`~te_ep_torch.options.EpOptions` (capacity, overflow).
         entry: the call whose arguments set those options (named in messages):
             ``"parallelize_hf_moe"`` or ``"register_te_ep"``.
+        step: the module's :class:`~te_ep_torch.step.EpStep`: one handle per token dtype (the
+            first made by :func:`parallelize_hf_moe`, or on the first forward of
+            :class:`TeEpImplementation` unless its ``dtype`` option names it; tokens of another
+            dtype get their own on first eager use).
     """
 
     name: str
@@ -150,56 +152,42 @@ class TeEpExpertsState:
     hidden: int
     expert_impl: str
     alignment: Optional[int]
-    capacity_factor: Optional[float]
     dims: Tuple[int, ...]
-    overflow: str = "raise"
+    options: EpOptions = dataclasses.field(default_factory=EpOptions)
     entry: str = "parallelize_hf_moe"
-    handles: Dict[torch.dtype, EpHandle] = dataclasses.field(default_factory=dict)
-    impls: Dict[torch.dtype, str] = dataclasses.field(default_factory=dict)
+    step: EpStep = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.step = EpStep(
+            self.group, top_k=self.top_k, hidden=self.hidden, alignment=self.alignment_for, options=self.options,
+            name=f"te_ep experts {self.name!r}", tokens_arg="hidden_states",
+            eager_hint=f"pass {self.entry}(..., dtype=) the tokens' dtype so the handle is made beforehand")
+
+    @property
+    def handles(self) -> Dict[torch.dtype, EpHandle]:
+        """The module's handles by token dtype."""
+        return self.step.handles
+
+    @property
+    def impls(self) -> Dict[torch.dtype, str]:
+        """The grouped-GEMM implementation per token dtype with a handle."""
+        return {dtype: self.impl_for(dtype) for dtype in self.step.handles}
+
+    def impl_for(self, dtype: torch.dtype) -> str:
+        """The grouped-GEMM implementation for tokens of ``dtype``: ``"grouped_mm"`` or ``"loop"``."""
+        if self.expert_impl != "auto":
+            return self.expert_impl
+        return "grouped_mm" if grouped_mm_supported(self.group.device, dtype, *self.dims) else "loop"
+
+    def alignment_for(self, dtype: torch.dtype) -> int:
+        """The zone alignment of the handle for tokens of ``dtype``."""
+        if self.alignment is not None:
+            return self.alignment
+        return GROUPED_MM_ALIGNMENT if self.impl_for(dtype) == "grouped_mm" else 1
 
     def create_handle(self, dtype: torch.dtype) -> EpHandle:
         """Creates the handle for tokens of ``dtype`` (collective over the EP group)."""
-        impl = self.expert_impl
-        if impl == "auto":
-            impl = "grouped_mm" if grouped_mm_supported(self.group.device, dtype, *self.dims) else "loop"
-        alignment = self.alignment
-        if alignment is None:
-            alignment = GROUPED_MM_ALIGNMENT if impl == "grouped_mm" else 1
-        handle = self.group.create_handle(top_k=self.top_k, hidden=self.hidden, dtype=dtype, alignment=alignment,
-                                          capacity_factor=self.capacity_factor, overflow=self.overflow)
-        self.handles[dtype] = handle
-        self.impls[dtype] = impl
-        return handle
-
-    def handle_for(self, tokens: Tensor) -> Tuple[EpHandle, Optional[str]]:
-        """The handle for ``tokens``' dtype, and what is wrong with ``tokens`` for it (or None).
-
-        That error is not raised here: it may hold on this rank only (a longer batch), and
-        raising before the step's collectives would leave the other ranks waiting in them.
-        The ops' own checks see it and the ranks agree on it; the forward then raises this
-        message on this rank (docs/ops.md, "Faults and bad input")."""
-        handle = self.handles.get(tokens.dtype)
-        if handle is None:
-            if torch.compiler.is_compiling():
-                raise RuntimeError(
-                    f"te_ep experts {self.name!r}: no te_ep handle for {tokens.dtype} tokens while torch.compile "
-                    f"traces the layer (have {sorted(map(str, self.handles))}); pass {self.entry}(..., dtype="
-                    f"{tokens.dtype}) so the handle is made before compiling"
-                )
-            handle = self.create_handle(tokens.dtype)
-        num_tokens, hidden = tokens.shape
-        if hidden != self.hidden:
-            return handle, (f"te_ep experts {self.name!r}: hidden_states must have {self.hidden} columns, got shape "
-                            f"{tuple(tokens.shape)}")
-        if num_tokens > self.group.max_tokens_per_rank:
-            return handle, (f"te_ep experts {self.name!r}: {num_tokens} tokens reached the experts, more than "
-                            f"max_tokens_per_rank={self.group.max_tokens_per_rank}; pass {self.entry}(..., "
-                            "max_tokens_per_rank=) the largest per-rank batch size * sequence length")
-        return handle, None
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+        return self.step.add_handle(dtype)
 
 
 def te_ep_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
@@ -232,19 +220,11 @@ def _ep_step(experts: nn.Module, state: TeEpExpertsState, hidden_states: Tensor,
             f"te_ep experts {state.name!r}: top_k_index has {top_k} choices per token, the layer's handle was made "
             f"for top_k={state.top_k}; pass {state.entry}(..., top_k={top_k})"
         )
-    handle, bad = state.handle_for(tokens)
-    topk_idx = top_k_index.reshape(-1, top_k)
-    # te_ep weights rows in float32; a bfloat16 router weight converts exactly.
-    topk_weights = top_k_weights.reshape(-1, top_k).to(torch.float32)
-    try:
-        out = ep_dispatch(handle, tokens.contiguous(), topk_idx.contiguous(), topk_weights.contiguous())
-    except (RuntimeError, ValueError) as exc:
-        if bad is None:
-            raise
-        raise ValueError(f"{bad}\n(handle {handle.id} of group '{handle.group.group_name}')") from exc
-    y = _run_local_experts(experts, out.tokens, out.expert_counts, state.impls[tokens.dtype])
-    y = weighted_for_combine(y, out.weights, out.expert_counts, handle)
-    return ep_combine(handle, y, tokens.shape[0]).reshape(shape)
+    impl = state.impl_for(tokens.dtype)
+    # te_ep weights rows in float32 (the step casts); a bfloat16 router weight converts exactly.
+    y, _, _ = state.step.run(tokens, (top_k_index.reshape(-1, top_k), top_k_weights.reshape(-1, top_k)),
+                             lambda rows, counts: _run_local_experts(experts, rows, counts, impl))
+    return y.reshape(shape)
 
 
 def _run_local_experts(experts: nn.Module, rows: Tensor, counts: Tensor, impl: str) -> Tensor:
@@ -391,28 +371,23 @@ def _check_layout(name: str, m: nn.Module, ep_size: int, top_k: Optional[int], d
     return _Layout(name, m, num_experts, top_k, int(in1), (int(in1), int(out1), int(in2)), list(required))
 
 
-def _check_options(what: str = "parallelize_hf_moe", *, max_tokens_may_be_none: bool = False, **options) -> None:
-    """ValueError naming the wrong argument of ``what`` (:func:`parallelize_hf_moe` or :func:`register_te_ep`)."""
+def _check_options(what: str = "parallelize_hf_moe", *, max_tokens_may_be_none: bool = False, backend, nccl_ep_mode,
+                   timeout, checks, capacity_factor, overflow, **options) -> EpOptions:
+    """The EP options as one record; ValueError naming the wrong argument of ``what``
+    (:func:`parallelize_hf_moe` or :func:`register_te_ep`)."""
     max_tokens = options["max_tokens_per_rank"]
     if not (max_tokens_may_be_none and max_tokens is None) and (
             not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0):
         raise ValueError(f"{what}: max_tokens_per_rank must be a positive int (batch size * sequence length per "
                          f"rank){' or None (the first batch)' if max_tokens_may_be_none else ''}, got {max_tokens!r}")
-    if options["backend"] not in BACKENDS:
-        raise ValueError(f"{what}: backend must be one of {BACKENDS}, got {options['backend']!r}")
-    if options["nccl_ep_mode"] not in NCCL_EP_MODES:
-        raise ValueError(f"{what}: nccl_ep_mode must be one of {NCCL_EP_MODES}, got {options['nccl_ep_mode']!r}")
-    if options["checks"] not in CHECKS:
-        raise ValueError(f"{what}: checks must be one of {CHECKS}, got {options['checks']!r}")
+    record = EpOptions.build(what, backend=backend, nccl_ep_mode=nccl_ep_mode, timeout=timeout, checks=checks,
+                             capacity_factor=capacity_factor, overflow=overflow)
     dtype = options["dtype"]
     if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"{what}: dtype must be None, torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")
     alignment = options["alignment"]
     if alignment is not None and (not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1)):
         raise ValueError(f"{what}: alignment must be None or a power of two, got {alignment!r}")
-    _group.check_capacity_factor(options["capacity_factor"], what)
-    if options["overflow"] not in _group.OVERFLOWS:
-        raise ValueError(f"{what}: overflow must be one of {_group.OVERFLOWS}, got {options['overflow']!r}")
     if options["expert_impl"] not in EXPERT_IMPLS:
         raise ValueError(f"{what}: expert_impl must be one of {EXPERT_IMPLS}, got {options['expert_impl']!r}")
     if options["expert_impl"] == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
@@ -420,6 +395,7 @@ def _check_options(what: str = "parallelize_hf_moe", *, max_tokens_may_be_none: 
     top_k = options["top_k"]
     if top_k is not None and (not isinstance(top_k, int) or top_k <= 0):
         raise ValueError(f"{what}: top_k must be None or a positive int, got {top_k!r}")
+    return record
 
 
 def _meshes(model: nn.Module, mesh_or_group, dp_dim: str, ep_dim: str) -> Tuple[DeviceMesh, Optional[DeviceMesh]]:
@@ -546,9 +522,9 @@ def parallelize_hf_moe(
             f"model with distributed_config=DistributedConfig(ep_size=..., ep_implementation={IMPLEMENTATION!r}) "
             "instead (te_ep_torch.integrations.transformers.register_te_ep takes the options; docs/transformers.md). "
             "parallelize_hf_moe keeps working.", DeprecationWarning, stacklevel=2)
-    _check_options(max_tokens_per_rank=max_tokens_per_rank, backend=backend, nccl_ep_mode=nccl_ep_mode, checks=checks,
-                   dtype=dtype, alignment=alignment, capacity_factor=capacity_factor, overflow=overflow,
-                   expert_impl=expert_impl, top_k=top_k)
+    options = _check_options(max_tokens_per_rank=max_tokens_per_rank, backend=backend, nccl_ep_mode=nccl_ep_mode,
+                             timeout=timeout, checks=checks, dtype=dtype, alignment=alignment,
+                             capacity_factor=capacity_factor, overflow=overflow, expert_impl=expert_impl, top_k=top_k)
     ep_mesh, mesh = _meshes(model, mesh_or_group, dp_dim, ep_dim)
     if mesh is None and (mp_policy is not None or blocks is not None):
         raise ValueError("parallelize_hf_moe: mp_policy and blocks are FSDP2 options; they need a 2-D (dp, ep) mesh "
@@ -581,10 +557,9 @@ def parallelize_hf_moe(
             sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)], src_data_rank=src_data_rank)
             m.register_parameter(p, nn.Parameter(sharded, requires_grad=param.requires_grad))
         group = ep_group_for(ep_mesh, num_experts=layout.num_experts, max_tokens_per_rank=max_tokens_per_rank,
-                             backend=backend, nccl_ep_mode=nccl_ep_mode, timeout=timeout, checks=checks)
+                             **options.group_kwargs())
         state = TeEpExpertsState(name=layout.name, group=group, top_k=layout.top_k, hidden=layout.hidden,
-                                 expert_impl=expert_impl, alignment=alignment, capacity_factor=capacity_factor,
-                                 dims=layout.dims, overflow=overflow)
+                                 expert_impl=expert_impl, alignment=alignment, dims=layout.dims, options=options)
         state.create_handle(dtype if dtype is not None else getattr(m, layout.params[0]).dtype)
         m.te_ep = state
     # The experts forward is chosen by the config the module was built with (shared by the
@@ -684,8 +659,7 @@ def register_te_ep(
     options = dict(max_tokens_per_rank=max_tokens_per_rank, backend=backend, nccl_ep_mode=nccl_ep_mode,
                    timeout=timeout, checks=checks, dtype=dtype, alignment=alignment, capacity_factor=capacity_factor,
                    overflow=overflow, expert_impl=expert_impl, top_k=top_k)
-    _check_options("register_te_ep", max_tokens_may_be_none=True,
-                   **{k: v for k, v in options.items() if k != "timeout"})
+    _check_options("register_te_ep", max_tokens_may_be_none=True, **options)
     registry = EPImplementationInterface()
     current = registry[name] if name in registry else None
     if current is not None and not (isinstance(current, type) and issubclass(current, TeEpImplementation)):
@@ -754,13 +728,12 @@ if HAS_EP_REGISTRY:
         def _make_state(self, max_tokens_per_rank: int) -> TeEpExpertsState:
             """The module's group, state and (for the ``dtype`` option) handle: collective over the EP mesh."""
             opts, layout = self.options, self.layout
+            record = _check_options("register_te_ep", max_tokens_may_be_none=True, **opts)
             group = ep_group_for(self.ep_mesh, num_experts=layout.num_experts, max_tokens_per_rank=max_tokens_per_rank,
-                                 backend=opts["backend"], nccl_ep_mode=opts["nccl_ep_mode"], timeout=opts["timeout"],
-                                 checks=opts["checks"])
+                                 **record.group_kwargs())
             state = TeEpExpertsState(name=self.name, group=group, top_k=layout.top_k, hidden=layout.hidden,
-                                     expert_impl=opts["expert_impl"], alignment=opts["alignment"],
-                                     capacity_factor=opts["capacity_factor"], dims=layout.dims,
-                                     overflow=opts["overflow"], entry="register_te_ep")
+                                     expert_impl=opts["expert_impl"], alignment=opts["alignment"], dims=layout.dims,
+                                     options=record, entry="register_te_ep")
             if opts["dtype"] is not None:
                 state.create_handle(opts["dtype"])
             self.experts.te_ep = state

@@ -40,12 +40,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..autograd import ep_combine, ep_dispatch, ep_dispatch_fp8
-from ..group import EpGroup
-from ..overlap import comm_stream_for, overlapped
+from ..group import EpGroup, EpHandle
 from ..moe import EXPERT_IMPLS, grouped_mm_supported
+from ..options import EpOptions
+from ..overlap import comm_stream_for
 from ..permutation import permute, unpermute
-from ..zones import expert_ffn, weighted_for_combine, zone_scale
+from ..step import EpStep
+from ..zones import expert_ffn, zone_scale
 
 __all__ = [
     "fwd_bwd",
@@ -356,31 +357,27 @@ class TeEpMoEBlock(_MoEBase):
             raise ValueError(f"group has {group.num_experts} experts, config {config.num_experts}")
         super().__init__(config, group.rank, group.ep_size, group.device, gemm, seed)
         self.group = group
-        self.handle = group.create_handle(
-            top_k=config.top_k, hidden=config.hidden, dtype=config.dtype, alignment=alignment, capacity=capacity,
-            dispatch_dtype=dispatch_dtype,
-        )
+        self.step = EpStep(group, top_k=config.top_k, hidden=config.hidden, alignment=alignment,
+                           options=EpOptions(capacity=capacity), fp8=dispatch_dtype is not None,
+                           name="TeEpMoEBlock", tokens_arg="x", lazy=False, eager_hint="the block has one dtype")
+        self.step.add_handle(config.dtype)
         self.fp8 = dispatch_dtype is not None
         self.overlap = overlap
+
+    @property
+    def handle(self) -> EpHandle:
+        """The block's handle (one dtype)."""
+        return self.step.handles[self.config.dtype]
 
     def forward(self, x: Tensor) -> Tensor:
         self._check_input(x)
         topk_weights, topk_idx = self.route(x)
         comm = comm_stream_for(x.device) if self.overlap else None
-
-        def dispatch():
-            if self.fp8:
-                return ep_dispatch_fp8(self.handle, x, topk_idx, topk_weights)
-            return ep_dispatch(self.handle, x, topk_idx, topk_weights)
-
-        # comm None (no overlap): the same calls, run in place (te_ep_torch.overlap.overlapped).
-        out, hidden = overlapped(comm, dispatch, (x, topk_idx, topk_weights), lambda: self._shared_gate_up(x))
-        rows = out.dequantize() if self.fp8 else out.tokens
-        y = self._zone_experts(rows, out.expert_counts)
-        # Padding rows have weight 0; rows after the last zone are never read by combine.
-        y = weighted_for_combine(y, out.weights, out.expert_counts, self.handle)
-        combined, shared = overlapped(comm, lambda: ep_combine(self.handle, y, x.shape[0]), (y,),
-                                      lambda: self._shared_down(hidden))
+        # comm None (no overlap): the same calls, run in place. Padding rows have weight 0;
+        # rows after the last zone are never read by combine.
+        combined, shared, _ = self.step.run(x, (topk_idx, topk_weights), self._zone_experts, comm=comm,
+                                         behind_dispatch=lambda: self._shared_gate_up(x),
+                                         behind_combine=self._shared_down)
         return combined if shared is None else combined + shared
 
 

@@ -210,7 +210,7 @@ def case_capacity_factor(ctx) -> None:
     mesh = init_device_mesh(dev.type, (W,), mesh_dim_names=("ep",))
     parallelize_module(moe, mesh, ExpertParallel(max_tokens_per_rank=27, backend=ctx.backend, capacity_factor=1.5,
                                                  **ctx.group_options()))
-    assert [h.config.capacity for h in moe._handles.values()] == [fitted], moe._handles
+    assert [h.config.capacity for h in moe.handles.values()] == [fitted], moe.handles
     moe(torch.randn(st.num_tokens(r), st.hidden, device=dev)).sum().backward()
     te.shutdown_ep_groups()
 
@@ -347,7 +347,7 @@ def case_overflow_drop(ctx) -> None:
     mesh = init_device_mesh(dev.type, (W,), mesh_dim_names=("ep",))
     parallelize_module(moe, mesh, ExpertParallel(max_tokens_per_rank=27, backend=ctx.backend, capacity_factor=1.0,
                                                  overflow="drop", **ctx.group_options()))
-    (handle,) = moe._handles.values()
+    (handle,) = moe.handles.values()
     assert handle.config.overflow == "drop" and handle.expert_share == 16, handle
     with torch.no_grad():
         moe.router.weight.zero_()

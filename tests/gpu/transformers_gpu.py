@@ -204,7 +204,7 @@ def time_block(ctx: Ctx, family: str, sizes: dict, tokens: int, args, device: to
         return t.item()
 
     state = next(m.te_ep for m in ours.modules() if hasattr(m, "te_ep"))
-    handle = state.handle_for(x.reshape(tokens, -1))[0]
+    handle = state.step.handle_for(x.reshape(tokens, -1))
     # Dispatch + combine alone (forward and backward) on this block's shapes, uniform random
     # top-k routing: the communication the te_ep block adds to the local experts' work.
     route = torch.Generator(device="cpu").manual_seed(20 + ctx.rank)

@@ -35,7 +35,6 @@ from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 try:
     from torchtitan.config.override import derive, override
@@ -53,13 +52,14 @@ except ImportError as exc:  # pragma: no cover - exercised only without torchtit
 
 from torchtitan.models.common.moe import GroupedExperts
 
-from ... import group as _group
-from ...autograd import ep_combine, ep_dispatch, ep_dispatch_fp8
-from ...group import BACKENDS, CHECKS, DEFAULT_NCCL_EP_MODE, NCCL_EP_MODES, OVERFLOWS, EpHandle
+from ..._dtensor_rules import local_tensor as _local
+from ...group import DEFAULT_NCCL_EP_MODE, EpHandle
 from ...moe import GROUPED_MM_ALIGNMENT
 from ...ops import FP8_BLOCK
+from ...options import EpOptions
 from ...parallel import ep_group_for
-from ...zones import expert_ffn, weighted_for_combine
+from ...step import Dispatched, EpStep, check_eager
+from ...zones import expert_ffn
 
 __all__ = [
     "EXPERTS_OVERRIDE_TARGET",
@@ -96,25 +96,31 @@ def _dtype_name(dtype: Union[str, torch.dtype, None], what: str) -> Optional[str
     raise ValueError(f"{what}: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class TeEpDispatchMetadata:
-    """What :meth:`TeEpTokenDispatcher.combine` needs from its dispatch.
+    """What :meth:`TeEpTokenDispatcher.combine` needs from its dispatch: the layer's
+    :class:`~te_ep_torch.step.Dispatched` (its handle, the rows' routing scores, the zone
+    sizes that bound combine's weighting, the dispatch's token count)."""
 
-    Attributes:
-        handle: the layer's handle (holds the step's routing).
-        row_weights_R: ``[capacity]`` float32 routing score of each received row, 0 on
-            padding rows and unused capacity.
-        total: ``[1]`` int32 rows in use (zones, padding included).
-        expert_counts: ``[E_local]`` int32 zone sizes (padding included): what bounds
-            combine's weighting (te_ep_torch.zones).
-        num_tokens: ``T`` of the dispatch.
-    """
+    dispatched: Dispatched
 
-    handle: EpHandle
-    row_weights_R: Tensor
-    total: Tensor
-    expert_counts: Tensor
-    num_tokens: int
+    @property
+    def handle(self) -> EpHandle:
+        return self.dispatched.handle
+
+    @property
+    def row_weights_R(self) -> Tensor:
+        """``[capacity]`` float32 routing score of each received row, 0 on padding and unused rows."""
+        return self.dispatched.weights
+
+    @property
+    def expert_counts(self) -> Tensor:
+        """``[E_local]`` int32 zone sizes (padding included)."""
+        return self.dispatched.expert_counts
+
+    @property
+    def num_tokens(self) -> int:
+        return self.dispatched.num_tokens
 
 
 class TeEpTokenDispatcher(BaseEPTokenDispatcher):
@@ -193,12 +199,9 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
         self.num_max_tokens_per_rank = config.num_max_tokens_per_rank
         self.dtype = _DTYPES[_dtype_name(config.dtype, "TeEpTokenDispatcher") or "bfloat16"]
         self.alignment = config.alignment
-        self.capacity_factor = config.capacity_factor
-        self.overflow = config.overflow
-        self.backend = config.backend
         self.fp8_dispatch = config.fp8_dispatch
-        self.group_options = {"nccl_ep_mode": config.nccl_ep_mode, "timeout": config.timeout, "checks": config.checks}
-        self._handles: Dict[torch.dtype, EpHandle] = {}
+        self.options = _options(config, "TeEpTokenDispatcher")
+        self._step: Optional[EpStep] = None
 
     # ---- set-up -------------------------------------------------------------------
 
@@ -209,70 +212,33 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
         ``torch.compile`` are applied, which is where a compiled model needs it: handles
         are made eagerly, never while tracing.
         """
-        self._handles = {}
+        self._step = None
         if self.ep_mesh is None or self.hidden_dim is None or self.num_max_tokens_per_rank is None:
             return
-        self._create_handle(self.dtype, self.hidden_dim, self.num_max_tokens_per_rank)
+        self._make_step(self.hidden_dim, self.num_max_tokens_per_rank).add_handle(self.dtype)
 
     def handles(self) -> Tuple[EpHandle, ...]:
         """The layer's te_ep handles, one per token dtype seen (created at wiring or first use)."""
-        return tuple(self._handles.values())
+        return () if self._step is None else tuple(self._step.handles.values())
 
-    def _create_handle(self, dtype: torch.dtype, hidden: int, max_tokens: int) -> EpHandle:
+    def _eager_hint(self) -> str:
+        return ("handles are created when the EP mesh is wired: set the dispatcher's hidden_dim, "
+                f"num_max_tokens_per_rank and dtype (got {self.hidden_dim}, {self.num_max_tokens_per_rank}, "
+                f"{self.dtype}) through te_ep_dispatcher(...) override kwargs or use_te_ep(trainer_config) "
+                "(TeEpTrainer fills them from the trainer config), or run an eager step first")
+
+    def _make_step(self, hidden: int, max_tokens: int) -> EpStep:
+        """The layer's step (its handles come later), on the EP group of these sizes."""
         if self.ep_mesh is None:
             raise RuntimeError("TeEpTokenDispatcher: no EP mesh; wire_meshes(ep_mesh=...) comes first")
-        # One EpGroup per (EP process group, sizes, backend, options), shared by the layers.
-        group = ep_group_for(
-            self.ep_mesh, num_experts=self.num_experts, max_tokens_per_rank=max_tokens, backend=self.backend,
-            **self.group_options,
-        )
-        handle = group.create_handle(
-            top_k=self.top_k, hidden=hidden, dtype=dtype, alignment=self.alignment,
-            capacity_factor=self.capacity_factor, overflow=self.overflow,
-            dispatch_dtype=torch.float8_e4m3fn if self.fp8_dispatch else None,
-        )
+        # One EpGroup per (EP process group, sizes, options), shared by the layers.
+        group = ep_group_for(self.ep_mesh, num_experts=self.num_experts, max_tokens_per_rank=max_tokens,
+                             **self.options.group_kwargs())
+        self._step = EpStep(group, top_k=self.top_k, hidden=hidden, alignment=self.alignment, options=self.options,
+                            fp8=self.fp8_dispatch, name="TeEpTokenDispatcher.dispatch", tokens_arg="x_TD",
+                            max_tokens_option="num_max_tokens_per_rank", hidden_option="hidden_dim", eager_hint=self._eager_hint())
         self.hidden_dim, self.num_max_tokens_per_rank = hidden, max_tokens
-        self._handles[dtype] = handle
-        return handle
-
-    def _handle_for(self, x_TD: Tensor) -> Tuple[EpHandle, Optional[str]]:
-        """The handle for ``x_TD``'s dtype, and what is wrong with ``x_TD`` for it (or None).
-
-        That error is not raised here: it may hold on this rank only (a larger batch), and
-        raising before the step's collectives would leave the other ranks waiting in them.
-        The ops' own checks see it and the ranks agree on it; ``dispatch`` then raises this
-        message on this rank (docs/ops.md, "Faults and bad input")."""
-        num_tokens, hidden = x_TD.shape
-        handle = self._handles.get(x_TD.dtype)
-        if handle is None:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                # Creating a handle is collective and allocates its buffers: never inside a capture.
-                raise RuntimeError(
-                    f"TeEpTokenDispatcher: no te_ep handle for {x_TD.dtype} tokens while a CUDA graph is being "
-                    "captured; handles are created when the EP mesh is wired (set hidden_dim, "
-                    f"num_max_tokens_per_rank and dtype; got {self.hidden_dim}, {self.num_max_tokens_per_rank}, "
-                    f"{self.dtype}) or on an eager step before the capture (TeEpTrainer fills them from the "
-                    "trainer config)"
-                )
-            if torch.compiler.is_compiling():
-                raise RuntimeError(
-                    f"TeEpTokenDispatcher: no te_ep handle for {x_TD.dtype} tokens while torch.compile traces the "
-                    "layer; handles are created eagerly when the EP mesh is wired, so set the dispatcher's "
-                    f"hidden_dim, num_max_tokens_per_rank and dtype (got {self.hidden_dim}, "
-                    f"{self.num_max_tokens_per_rank}, {self.dtype}): te_ep_dispatcher(...) override kwargs or "
-                    "use_te_ep(trainer_config)"
-                )
-            handle = self._create_handle(
-                x_TD.dtype, self.hidden_dim or hidden, self.num_max_tokens_per_rank or num_tokens
-            )
-        if hidden != handle.config.hidden:
-            return handle, (f"TeEpTokenDispatcher.dispatch: x_TD must have {handle.config.hidden} columns "
-                            f"(hidden_dim), got shape {tuple(x_TD.shape)}")
-        if num_tokens > handle.group.max_tokens_per_rank:
-            return handle, (f"TeEpTokenDispatcher.dispatch: x_TD has {num_tokens} tokens, more than "
-                            f"num_max_tokens_per_rank={handle.group.max_tokens_per_rank}; set num_max_tokens_per_rank "
-                            "to the largest per-rank batch")
-        return handle, None
+        return self._step
 
     # ---- dispatch / combine ---------------------------------------------------------
 
@@ -294,25 +260,12 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
                 self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E
             )
         del num_local_tokens_per_expert_E
-        handle, bad = self._handle_for(x_TD)
-        args = (handle, x_TD.contiguous(), topk_expert_ids_TK.contiguous(),
-                topk_scores_TK.to(torch.float32).contiguous())
-        try:
-            if self.fp8_dispatch:
-                out = ep_dispatch_fp8(*args)
-                rows = out.dequantize(x_TD.dtype)
-            else:
-                out = ep_dispatch(*args)
-                rows = out.tokens
-        except (RuntimeError, ValueError) as exc:
-            if bad is None:
-                raise
-            raise ValueError(f"{bad}\n(handle {handle.id} of group '{handle.group.group_name}')") from exc
-        metadata = TeEpDispatchMetadata(
-            handle=handle, row_weights_R=out.weights, total=out.total, expert_counts=out.expert_counts,
-            num_tokens=x_TD.shape[0],
-        )
-        return rows, out.expert_counts, metadata
+        if self._step is None:  # sizes unknown at wiring: this batch's
+            check_eager("TeEpTokenDispatcher.dispatch", x_TD.dtype, [], self._eager_hint())
+            self._make_step(self.hidden_dim or x_TD.shape[1], self.num_max_tokens_per_rank or x_TD.shape[0])
+        step = self._step
+        dispatched = step.join(None, step.dispatch(x_TD, topk_expert_ids_TK, topk_scores_TK), x_TD)
+        return dispatched.rows, dispatched.expert_counts, TeEpDispatchMetadata(dispatched)
 
     def combine(self, routed_output_RD: Tensor, metadata, x_TD: Tensor) -> Tensor:
         """Scores the expert rows and sums them back to their tokens (collective); ``[T, D]``."""
@@ -325,9 +278,7 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
             )
         # Bounded by the rows in use: rows past the zones (which torch._grouped_mm leaves
         # unwritten) are neither read nor weighted, and get a zero score gradient.
-        weighted = weighted_for_combine(routed_output_RD, metadata.row_weights_R, metadata.expert_counts,
-                                        metadata.handle)
-        return ep_combine(metadata.handle, weighted, metadata.num_tokens)
+        return self._step.join(None, self._step.combine(routed_output_RD, metadata.dispatched))
 
 
 class TeEpGroupedExperts(GroupedExperts):
@@ -356,10 +307,6 @@ class TeEpGroupedExperts(GroupedExperts):
         return y.type_as(x_RD)
 
 
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 @override(
     target=GroupedExperts.Config,
     exact=True,
@@ -376,6 +323,12 @@ def te_ep_experts(cfg: GroupedExperts.Config) -> TeEpGroupedExperts.Config:
     return derive(cfg, TeEpGroupedExperts.Config)
 
 
+def _options(cfg: Any, what: str) -> EpOptions:
+    """The config's EP options as one record (validated; errors name ``what`` and the field)."""
+    return EpOptions.build(what, backend=cfg.backend, nccl_ep_mode=cfg.nccl_ep_mode, timeout=cfg.timeout,
+                           checks=cfg.checks, capacity_factor=cfg.capacity_factor, overflow=cfg.overflow)
+
+
 def _check_config(cfg: Any, what: str) -> None:
     """Argument checks shared by the dispatcher and the override (ValueError naming the field)."""
     for name in ("hidden_dim", "num_max_tokens_per_rank"):
@@ -386,17 +339,7 @@ def _check_config(cfg: Any, what: str) -> None:
     alignment = cfg.alignment
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"{what}: alignment must be a power of two, got {alignment!r}")
-    _group.check_capacity_factor(cfg.capacity_factor, what)
-    if cfg.overflow not in OVERFLOWS:
-        raise ValueError(f"{what}: overflow must be one of {OVERFLOWS}, got {cfg.overflow!r}")
-    if cfg.backend not in BACKENDS:
-        raise ValueError(f"{what}: backend must be one of {BACKENDS}, got {cfg.backend!r}")
-    if cfg.nccl_ep_mode not in NCCL_EP_MODES:
-        raise ValueError(f"{what}: nccl_ep_mode must be one of {NCCL_EP_MODES}, got {cfg.nccl_ep_mode!r}")
-    if cfg.checks not in CHECKS:
-        raise ValueError(f"{what}: checks must be one of {CHECKS}, got {cfg.checks!r}")
-    if cfg.timeout is not None and not (isinstance(cfg.timeout, (int, float)) and cfg.timeout > 0):
-        raise ValueError(f"{what}: timeout must be None or a positive number of seconds, got {cfg.timeout!r}")
+    _options(cfg, what)
     if not isinstance(cfg.fp8_dispatch, bool):
         raise ValueError(f"{what}: fp8_dispatch must be a bool, got {cfg.fp8_dispatch!r}")
     if cfg.fp8_dispatch and cfg.hidden_dim is not None and cfg.hidden_dim % FP8_BLOCK:

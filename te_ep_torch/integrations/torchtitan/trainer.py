@@ -143,7 +143,7 @@ class TeEpTrainer(Trainer):
             for handle in dispatcher.handles():
                 if handle.group.backend != "nccl_ep":
                     raise ValueError(
-                        f"CUDA graphs: te_ep's backend={dispatcher.backend!r} resolved to "
+                        f"CUDA graphs: te_ep's backend={dispatcher.options.backend!r} resolved to "
                         f"{handle.group.backend!r} on this machine (te_ep's warning above says why), which "
                         "syncs with the host in every op; install NCCL EP (python -m te_ep_torch says what "
                         "is missing) or set --training.disable_cuda_graphs"

@@ -1,0 +1,104 @@
+"""The EP options of a layer, in one record validated once.
+
+Every entry point that makes expert-parallel layers (``te.MoE.enable_expert_parallel``,
+``ExpertParallel`` / ``parallelize_moe_model``, the TorchTitan dispatcher, both transformers
+entries) turns its arguments into one :class:`EpOptions`; the record checks each value once,
+with a message naming the argument and the value it expects, and gives the group's and the
+handles' keyword arguments. The rules behind the capacity fields are
+:mod:`te_ep_torch.capacity`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import numbers
+from typing import Any, Dict, Optional, Union
+
+from .capacity import check_capacity_factor
+from .group import BACKENDS, CHECKS, DEFAULT_NCCL_EP_MODE, NCCL_EP_MODES, OVERFLOWS
+
+__all__ = ["EpOptions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EpOptions:
+    """How a layer's tokens travel (defaults: what a user gets without asking).
+
+    Group options (shared by the layers of one :class:`~te_ep_torch.EpGroup`):
+
+    Attributes:
+        backend: ``"auto"``, ``"reference"`` or ``"nccl_ep"`` (:class:`~te_ep_torch.EpGroup`).
+        nccl_ep_mode: ``"zero_copy"`` (default), ``"staged"`` or ``"auto"``.
+        timeout: seconds (or a ``timedelta``) an ``nccl_ep`` op may take; ``None``: the
+            process group's.
+        checks: the check mode, ``"local"``, ``"device"`` or ``"synchronous"``.
+
+    Handle options (one handle per layer and token dtype):
+
+    Attributes:
+        capacity: receive rows; ``None`` with no ``capacity_factor``: the worst case.
+        capacity_factor: the receive rows as a multiplier (>= 1.0) of a rank's mean load
+            (:func:`te_ep_torch.capacity.capacity_for_factor`); not with ``capacity``.
+        overflow: ``"raise"`` or ``"drop"`` (:func:`te_ep_torch.capacity.drop_past_share`).
+    """
+
+    backend: str = "auto"
+    nccl_ep_mode: str = DEFAULT_NCCL_EP_MODE
+    timeout: Union[None, float, datetime.timedelta] = None
+    checks: str = "local"
+    capacity: Optional[int] = None
+    capacity_factor: Optional[float] = None
+    overflow: str = "raise"
+
+    def __post_init__(self) -> None:
+        self.validate("EpOptions")
+
+    def validate(self, what: str) -> None:
+        """Raises ``ValueError`` naming ``what`` and the first field that is not valid."""
+        for name, allowed in (("backend", BACKENDS), ("nccl_ep_mode", NCCL_EP_MODES), ("checks", CHECKS),
+                              ("overflow", OVERFLOWS)):
+            value = getattr(self, name)
+            if not isinstance(value, str) or value not in allowed:
+                raise ValueError(f"{what}: {name} must be one of {allowed}, got {value!r}")
+        timeout = self.timeout
+        if timeout is not None and not (
+            (isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0)
+            or (isinstance(timeout, numbers.Real) and not isinstance(timeout, bool) and timeout > 0)
+        ):
+            raise ValueError(f"{what}: timeout must be None or a positive number of seconds, got {timeout!r}")
+        capacity = self.capacity
+        if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0):
+            raise ValueError(f"{what}: capacity must be None (the worst case) or a positive int, got {capacity!r}")
+        if capacity is not None and self.capacity_factor is not None:
+            raise ValueError(f"{what}: pass capacity (rows) or capacity_factor (a multiplier of the mean load), not "
+                             f"both; got capacity={capacity!r}, capacity_factor={self.capacity_factor!r}")
+        check_capacity_factor(self.capacity_factor, what)
+
+    @classmethod
+    def build(cls, what: str, **fields: Any) -> "EpOptions":
+        """The record of ``fields`` (others at their defaults), errors naming ``what``:
+        an entry point's keywords in, one validated record out."""
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise TypeError(f"{what}: unknown EP option {unknown[0]!r}")
+        defaults = cls()
+        values = {name: value for name, value in fields.items()}
+        obj = object.__new__(cls)
+        for f in dataclasses.fields(cls):
+            object.__setattr__(obj, f.name, values.get(f.name, getattr(defaults, f.name)))
+        obj.validate(what)
+        return obj
+
+    def replace(self, **changes: Any) -> "EpOptions":
+        """A copy with ``changes`` (validated)."""
+        return dataclasses.replace(self, **changes)
+
+    def group_kwargs(self) -> Dict[str, Any]:
+        """The :func:`~te_ep_torch.parallel.ep_group_for` / :class:`~te_ep_torch.EpGroup` keywords."""
+        return {"backend": self.backend, "nccl_ep_mode": self.nccl_ep_mode, "timeout": self.timeout,
+                "checks": self.checks}
+
+    def handle_kwargs(self) -> Dict[str, Any]:
+        """The :meth:`~te_ep_torch.EpGroup.create_handle` keywords (``checks``: ``None``, the group's)."""
+        return {"capacity": self.capacity, "capacity_factor": self.capacity_factor, "overflow": self.overflow}
