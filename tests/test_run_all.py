@@ -2,7 +2,7 @@
 
 The script's `python3` is a fake (PYTHON=...): it reports the machine's GPU count, and every other
 call records its CUDA_VISIBLE_DEVICES, its arguments and its start and end time, sleeps, and prints
-a pytest-like result line. What a real run adds (the steps' own work) is in results.md.
+a pytest-like result line. What a real run adds (the steps' own work) is in docs/results/.
 """
 
 import os

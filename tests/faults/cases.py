@@ -491,9 +491,9 @@ def _arg_error(op: str, *faulty_says) -> Expect:
 
 # Every nccl_ep declaration is measured on GPUs at W=2 and W=4 (2 and 4 x H200, 10 s PG timeout: every
 # case in every check mode x both nccl_ep modes, as declared, no UNEXPECTED verdict; the lost-rank cases
-# also at a 20 s timeout); docs/results.md, "every fault case at 4 GPUs", "every fault case at 2 GPUs"
-# and "a lost or stalled rank".
-MEASURED = "measured on GPUs at W=2 and W=4 (docs/results.md, 'every fault case'): "
+# also at a 20 s timeout); docs/results/, "every fault case at 4 GPUs" (2026-11-27-8ed2ccc-*), "every fault
+# case at 2 GPUs" (2026-11-26-34442f7-faults-w2.md) and "a lost or stalled rank" (2026-11-26-*-lost-rank-*).
+MEASURED = "measured on GPUs at W=2 and W=4 (docs/results/, 'every fault case'): "
 NCCL_EP_WATCHDOG_SHORTFALL = (MEASURED + "no Python exception on the waiting ranks; te_ep's watchdog ends them "
                               "(exit code 70) with a message naming the op, the handle, the group and the rank, but "
                               "not the rank at fault")
@@ -718,7 +718,7 @@ CASES = [
         behaviour={
             "reference": _EXIT_CONTRACT.but(others_say=("te_ep.dispatch", "collective with the other ranks failed",
                                                         GLOO_LOST_PEER), shortfall=GLOO_SHORTFALL),
-            # Measured on GPUs (4 x H200, 2026-11-26, docs/results.md): every survivor ends by te_ep's
+            # Measured on GPUs (4 x H200, 2026-11-26, docs/results/*-lost-rank-*): every survivor ends by te_ep's
             # watchdog (host) 20.2 s after the fault at W=2 (20 s PG timeout) and 10.2-10.5 s at W=4
             # (10 s), in every check mode and both nccl_ep modes. No torch collective in the step: the survivors' dispatch waits for the
             # lost rank without a limit until te_ep's watchdog ends them one process-group
@@ -748,7 +748,7 @@ CASES = [
             # late rank fails at once when it arrives
             # (the message does not name the late rank; the contract does not ask it to)
             "reference": _SLEEP_CONTRACT,
-            # Measured on GPUs (4 x H200, 2026-11-26, docs/results.md): the waiting ranks end by te_ep's
+            # Measured on GPUs (4 x H200, 2026-11-26, docs/results/*-lost-rank-*): the waiting ranks end by te_ep's
             # watchdog (host) one PG timeout after the fault (20.1 s at W=2, 10.2-10.4 s at W=4), the
             # late rank at 41.7 s / 21.7 s, in every check mode and both nccl_ep modes. No torch collective in a default-mode step: the waiting ranks' dispatch kernels spin
             # until te_ep's watchdog ends them one PG timeout after they entered dispatch; the late

@@ -34,7 +34,7 @@
 # on a fresh machine, unpack the cache a run left (tar of the directory: the --quick suite's
 # kernels at W=2 are 0.8 MB compressed, every shape of the suite, smoke and soak at W=2 and W=4
 # 3.5 MB) before starting, or the nccl_ep suite's first check mode pays its compilation (about
-# 150 s for the --quick cases at W=2, about 100 s for the whole suite at W=4; docs/results.md).
+# 150 s for the --quick cases at W=2, about 100 s for the whole suite at W=4; docs/results/).
 # Parts side by side write the cache safely (NCCL EP writes each kernel to a temporary file and
 # renames it). TE_EP_KERNEL_CACHE=FILE keeps the cache in FILE (a .tar.gz) across machines: FILE,
 # where it exists, is unpacked into NCCL_EP_JIT_CACHE_DIR (set to $LOG/nccl_ep_jit where unset)
