@@ -15,7 +15,9 @@ from .autograd import DispatchOutput, Fp8DispatchOutput, ep_combine, ep_dispatch
 from .group import BACKENDS, CHECKS, DEFAULT_NCCL_EP_MODE, NCCL_EP_MODES, OVERFLOWS, EpGroup, EpHandle, HandleConfig
 from .ops import dequantize_fp8, quantize_fp8
 from . import permutation
-from . import moe, overlap, parallel, zones
+from . import capacity, moe, options, overlap, parallel, step, zones
+from .options import EpOptions
+from .step import EpStep
 from .moe import GroupedExperts, MoE, RouterOutput, SwiGLU, TopKRouter
 from .parallel import (
     ExpertParallel,
@@ -47,6 +49,11 @@ __all__ = [
     "EpGroup",
     "EpHandle",
     "HandleConfig",
+    "EpOptions",
+    "EpStep",
+    "capacity",
+    "options",
+    "step",
     "DispatchOutput",
     "ep_dispatch",
     "ep_combine",

@@ -574,12 +574,8 @@ class MoE(nn.Module):
             )
         if self._step is not None and self._step.group is not ep_group:
             raise RuntimeError("MoE.enable_expert_parallel: the layer already uses another EpGroup")
-        keywords = dict(capacity=capacity, capacity_factor=capacity_factor, overflow=overflow)
-        if options is None:
-            options = EpOptions.build("MoE.enable_expert_parallel", **keywords)
-        elif keywords != dict(capacity=None, capacity_factor=None, overflow="raise"):
-            raise ValueError("MoE.enable_expert_parallel: pass options or the keywords capacity, capacity_factor and "
-                             "overflow, not both")
+        options = EpOptions.resolve("MoE.enable_expert_parallel", options, capacity=capacity,
+                                    capacity_factor=capacity_factor, overflow=overflow)
         dtype = dtype if dtype is not None else self.experts.w_gate.dtype
         if self._step is None:
             self._step = EpStep(

@@ -90,6 +90,22 @@ class EpOptions:
         obj.validate(what)
         return obj
 
+    @classmethod
+    def resolve(cls, what: str, options: Optional["EpOptions"], **keywords: Any) -> "EpOptions":
+        """What an entry point that takes both ``options`` and the keywords runs with: the record
+        of ``keywords`` where ``options`` is ``None``, else ``options``, and ``ValueError`` where
+        a keyword was also set away from its default (two answers to one question)."""
+        if options is None:
+            return cls.build(what, **keywords)
+        if not isinstance(options, EpOptions):
+            raise TypeError(f"{what}: options must be a te_ep_torch.EpOptions, got {type(options).__name__}")
+        defaults = cls()
+        changed = sorted(name for name, value in keywords.items() if value != getattr(defaults, name))
+        if changed:
+            raise ValueError(f"{what}: pass options=EpOptions(...) or the keywords, not both; got options and "
+                             f"{', '.join(changed)}")
+        return options
+
     def replace(self, **changes: Any) -> "EpOptions":
         """A copy with ``changes`` (validated)."""
         return dataclasses.replace(self, **changes)

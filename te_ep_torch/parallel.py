@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, Iterable, Optional, Tuple
 
 import torch
@@ -25,8 +26,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from .group import DEFAULT_NCCL_EP_MODE, OVERFLOWS, EpGroup, check_capacity_factor
+from .group import DEFAULT_NCCL_EP_MODE, EpGroup
 from .moe import MoE
+from .options import EpOptions
 
 __all__ = [
     "ExpertParallel",
@@ -41,6 +43,7 @@ __all__ = [
 ]
 
 _EP_GROUPS: Dict[Tuple, EpGroup] = {}
+_OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(EpOptions))
 
 
 def init_moe_mesh(
@@ -137,6 +140,9 @@ class ExpertParallel(ParallelStyle):
         src_data_rank: rank whose weights are scattered; ``None`` keeps each rank's own
             slice of its local (full) weights without communication.
         nccl_ep_mode, timeout, checks: the :class:`EpGroup` options of the layers' group.
+        options: all of ``backend``, ``nccl_ep_mode``, ``timeout``, ``checks``, ``capacity``,
+            ``capacity_factor`` and ``overflow`` as one :class:`~te_ep_torch.options.EpOptions`,
+            instead of those keywords (``ValueError`` if both are given).
     """
 
     def __init__(
@@ -152,25 +158,22 @@ class ExpertParallel(ParallelStyle):
         nccl_ep_mode: str = DEFAULT_NCCL_EP_MODE,
         timeout=None,
         checks: str = "local",
+        options: Optional[EpOptions] = None,
     ) -> None:
         super().__init__()
         self.max_tokens_per_rank = max_tokens_per_rank
-        self.backend = backend
-        self.nccl_ep_mode = nccl_ep_mode
-        self.timeout = timeout
-        self.checks = checks
         self.dtype = dtype
         # Checked now: applying the style shards the weights before the handle is made.
-        if capacity is not None and capacity_factor is not None:
-            raise ValueError(f"ExpertParallel: pass capacity (rows) or capacity_factor (a multiplier of the mean "
-                             f"load), not both; got capacity={capacity!r}, capacity_factor={capacity_factor!r}")
-        check_capacity_factor(capacity_factor, "ExpertParallel")
-        if overflow not in OVERFLOWS:
-            raise ValueError(f"ExpertParallel: overflow must be one of {OVERFLOWS}, got {overflow!r}")
-        self.capacity = capacity
-        self.capacity_factor = capacity_factor
-        self.overflow = overflow
+        self.options = EpOptions.resolve(
+            "ExpertParallel", options, backend=backend, nccl_ep_mode=nccl_ep_mode, timeout=timeout, checks=checks,
+            capacity=capacity, capacity_factor=capacity_factor, overflow=overflow)
         self.src_data_rank = src_data_rank
+
+    def __getattr__(self, name: str):
+        # The options read as attributes, as before they were one record (style.capacity_factor, ...).
+        if name in _OPTION_NAMES and "options" in self.__dict__:
+            return getattr(self.__dict__["options"], name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, MoE):
@@ -188,17 +191,9 @@ class ExpertParallel(ParallelStyle):
                 raise RuntimeError(f"ExpertParallel: experts.{name} is already a DTensor; apply the style once")
             sharded = distribute_tensor(param.detach(), device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
             experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        group = ep_group_for(
-            device_mesh,
-            num_experts=module.num_experts,
-            max_tokens_per_rank=self.max_tokens_per_rank,
-            backend=self.backend,
-            nccl_ep_mode=self.nccl_ep_mode,
-            timeout=self.timeout,
-            checks=self.checks,
-        )
-        module.enable_expert_parallel(group, dtype=self.dtype, capacity=self.capacity,
-                                      capacity_factor=self.capacity_factor, overflow=self.overflow)
+        group = ep_group_for(device_mesh, num_experts=module.num_experts, max_tokens_per_rank=self.max_tokens_per_rank,
+                             **self.options.group_kwargs())
+        module.enable_expert_parallel(group, dtype=self.dtype, options=self.options)
         return module
 
 
@@ -316,19 +311,22 @@ def parallelize_moe_model(
     nccl_ep_mode: str = DEFAULT_NCCL_EP_MODE,
     timeout=None,
     checks: str = "local",
+    options: Optional[EpOptions] = None,
 ) -> nn.Module:
     """:class:`ExpertParallel` on ``mesh[ep_dim]`` for every MoE layer, then :func:`apply_fsdp`.
 
     ``dtype`` defaults to ``mp_policy.param_dtype`` (the dtype the experts compute in)
     and else to the expert weights' dtype. ``capacity``, ``capacity_factor`` and ``overflow``
     are :class:`ExpertParallel`'s; ``nccl_ep_mode``, ``timeout`` and ``checks`` are
-    :class:`~te_ep_torch.EpGroup`'s.
+    :class:`~te_ep_torch.EpGroup`'s; ``options`` gives them all as one
+    :class:`~te_ep_torch.options.EpOptions` instead.
     """
     if dtype is None and mp_policy is not None:
         dtype = mp_policy.param_dtype
-    style = ExpertParallel(max_tokens_per_rank=max_tokens_per_rank, backend=backend, dtype=dtype, capacity=capacity,
-                           capacity_factor=capacity_factor, overflow=overflow, nccl_ep_mode=nccl_ep_mode,
-                           timeout=timeout, checks=checks)
+    options = EpOptions.resolve("parallelize_moe_model", options, backend=backend, nccl_ep_mode=nccl_ep_mode,
+                                timeout=timeout, checks=checks, capacity=capacity, capacity_factor=capacity_factor,
+                                overflow=overflow)
+    style = ExpertParallel(max_tokens_per_rank=max_tokens_per_rank, dtype=dtype, options=options)
     layers = moe_layers(model)
     if not layers:
         raise ValueError("parallelize_moe_model: the model has no te_ep_torch.moe.MoE layer")

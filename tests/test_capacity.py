@@ -106,10 +106,10 @@ def test_expert_parallel_refuses_before_sharding():
     arguments when made, before any weight is sharded."""
     with pytest.raises(ValueError, match=r"ExpertParallel: pass capacity \(rows\) or capacity_factor .*not both"):
         ExpertParallel(max_tokens_per_rank=8, capacity=64, capacity_factor=1.5)
-    with pytest.raises(ValueError, match="ExpertParallel: capacity_factor is now a multiplier"):
+    with pytest.raises(ValueError, match="parallelize_moe_model: capacity_factor is now a multiplier"):
         parallelize_moe_model(torch.nn.Linear(2, 2), None, max_tokens_per_rank=8, capacity_factor=0.5)
     assert ExpertParallel(max_tokens_per_rank=8, capacity_factor=1.25).capacity_factor == 1.25
-    with pytest.raises(ValueError, match=r"ExpertParallel: overflow must be one of \('raise', 'drop'\), got 'skip'"):
+    with pytest.raises(ValueError, match=r"parallelize_moe_model: overflow must be one of \('raise', 'drop'\), got 'skip'"):
         parallelize_moe_model(torch.nn.Linear(2, 2), None, max_tokens_per_rank=8, overflow="skip")
     assert ExpertParallel(max_tokens_per_rank=8, capacity_factor=1.25, overflow="drop").overflow == "drop"
 

@@ -372,16 +372,17 @@ def _check_layout(name: str, m: nn.Module, ep_size: int, top_k: Optional[int], d
 
 
 def _check_options(what: str = "parallelize_hf_moe", *, max_tokens_may_be_none: bool = False, backend, nccl_ep_mode,
-                   timeout, checks, capacity_factor, overflow, **options) -> EpOptions:
-    """The EP options as one record; ValueError naming the wrong argument of ``what``
-    (:func:`parallelize_hf_moe` or :func:`register_te_ep`)."""
+                   timeout, checks, capacity_factor, overflow, capacity=None, ep_options: Optional[EpOptions] = None,
+                   **options) -> EpOptions:
+    """The EP options as one record (``ep_options``, or the keywords); ValueError naming the wrong
+    argument of ``what`` (:func:`parallelize_hf_moe` or :func:`register_te_ep`)."""
     max_tokens = options["max_tokens_per_rank"]
     if not (max_tokens_may_be_none and max_tokens is None) and (
             not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0):
         raise ValueError(f"{what}: max_tokens_per_rank must be a positive int (batch size * sequence length per "
                          f"rank){' or None (the first batch)' if max_tokens_may_be_none else ''}, got {max_tokens!r}")
-    record = EpOptions.build(what, backend=backend, nccl_ep_mode=nccl_ep_mode, timeout=timeout, checks=checks,
-                             capacity_factor=capacity_factor, overflow=overflow)
+    record = EpOptions.resolve(what, ep_options, backend=backend, nccl_ep_mode=nccl_ep_mode, timeout=timeout,
+                               checks=checks, capacity=capacity, capacity_factor=capacity_factor, overflow=overflow)
     dtype = options["dtype"]
     if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"{what}: dtype must be None, torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")
@@ -446,6 +447,7 @@ def parallelize_hf_moe(
     blocks: Optional[Iterable[nn.Module]] = None,
     mp_policy=None,
     reshard_after_forward: bool = True,
+    options: Optional[EpOptions] = None,
 ) -> nn.Module:
     """Makes a transformers MoE model expert-parallel on te_ep (collective; in place; returns ``model``).
 
@@ -515,6 +517,9 @@ def parallelize_hf_moe(
             (2-D mesh only). The experts' units never cast their inputs, so the router's
             weights reach them in the router's own dtype.
         reshard_after_forward: ``fully_shard``'s (2-D mesh only).
+        options: ``backend``, ``nccl_ep_mode``, ``timeout``, ``checks``, ``capacity_factor``,
+            ``overflow`` (and ``capacity``, receive rows) as one
+            :class:`~te_ep_torch.options.EpOptions`, instead of those keywords.
     """
     if HAS_EP_REGISTRY:
         warnings.warn(
@@ -524,7 +529,8 @@ def parallelize_hf_moe(
             "parallelize_hf_moe keeps working.", DeprecationWarning, stacklevel=2)
     options = _check_options(max_tokens_per_rank=max_tokens_per_rank, backend=backend, nccl_ep_mode=nccl_ep_mode,
                              timeout=timeout, checks=checks, dtype=dtype, alignment=alignment,
-                             capacity_factor=capacity_factor, overflow=overflow, expert_impl=expert_impl, top_k=top_k)
+                             capacity_factor=capacity_factor, overflow=overflow, expert_impl=expert_impl, top_k=top_k,
+                             ep_options=options)
     ep_mesh, mesh = _meshes(model, mesh_or_group, dp_dim, ep_dim)
     if mesh is None and (mp_policy is not None or blocks is not None):
         raise ValueError("parallelize_hf_moe: mp_policy and blocks are FSDP2 options; they need a 2-D (dp, ep) mesh "
@@ -620,6 +626,7 @@ def register_te_ep(
     overflow: str = "raise",
     expert_impl: str = "auto",
     top_k: Optional[int] = None,
+    options: Optional[EpOptions] = None,
 ):
     """Registers te_ep with these options as transformers' EP implementation ``name`` (transformers >= 5.23).
 
@@ -637,8 +644,8 @@ def register_te_ep(
             (batch size * sequence length); ``None``: the largest first batch of the EP
             ranks (a longer batch later raises ``ValueError`` naming this option).
         backend, nccl_ep_mode, timeout, checks, dtype, alignment, capacity_factor, overflow,
-        expert_impl, top_k: as :func:`parallelize_hf_moe`'s (``dtype``: the handles are made
-        when the model is sharded if ``max_tokens_per_rank`` is given too, else on the first
+        expert_impl, top_k, options: as :func:`parallelize_hf_moe`'s (``dtype``: the handles are
+        made when the model is sharded if ``max_tokens_per_rank`` is given too, else on the first
         forward).
 
     Returns:
@@ -656,10 +663,12 @@ def register_te_ep(
         )
     if not isinstance(name, str) or not name:
         raise ValueError(f"register_te_ep: name must be a non-empty str, got {name!r}")
+    ep_options = options
     options = dict(max_tokens_per_rank=max_tokens_per_rank, backend=backend, nccl_ep_mode=nccl_ep_mode,
                    timeout=timeout, checks=checks, dtype=dtype, alignment=alignment, capacity_factor=capacity_factor,
-                   overflow=overflow, expert_impl=expert_impl, top_k=top_k)
-    _check_options("register_te_ep", max_tokens_may_be_none=True, **options)
+                   overflow=overflow, expert_impl=expert_impl, top_k=top_k, capacity=None)
+    record = _check_options("register_te_ep", max_tokens_may_be_none=True, ep_options=ep_options, **options)
+    options.update(dataclasses.asdict(record))  # the class keeps plain values: the record's
     registry = EPImplementationInterface()
     current = registry[name] if name in registry else None
     if current is not None and not (isinstance(current, type) and issubclass(current, TeEpImplementation)):
@@ -698,8 +707,10 @@ if HAS_EP_REGISTRY:
         """
 
         # register_te_ep's defaults (parallelize_hf_moe's, but max_tokens_per_rank=None).
-        options: ClassVar[Dict[str, Any]] = {name: p.default for name, p in
-                                             inspect.signature(register_te_ep).parameters.items() if name != "name"}
+        options: ClassVar[Dict[str, Any]] = {
+            **{name: p.default for name, p in inspect.signature(register_te_ep).parameters.items()
+               if name not in ("name", "options")},
+            **dataclasses.asdict(EpOptions())}
         registered_name: ClassVar[str] = IMPLEMENTATION
 
         def __init__(self, experts: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh):
