@@ -4,10 +4,7 @@
 #include <torch/library.h>
 
 #include <string>
-#include <stdexcept>
-#include <tuple>
 
-#include "watchdog/core/watchdog.h"
 #include "comm/backend.h"
 
 namespace te_ep {
@@ -55,15 +52,6 @@ TORCH_LIBRARY_IMPL(te_ep, CompositeExplicitAutograd, m) {
     TORCH_CHECK(max_tokens_per_rank > 0, "te_ep._nccl_ep_capacity_floor: max_tokens_per_rank must be positive, got ",
                 max_tokens_per_rank);
     return nccl_ep_capacity_floor(max_tokens_per_rank);
-  });
-  m.impl("_watchdog_state", []() -> std::tuple<std::string, int64_t, int64_t> {
-    std::string action;
-    try {
-      action = watchdog::action_name(watchdog::action());
-    } catch (const std::invalid_argument& e) {
-      TORCH_CHECK(false, "te_ep: ", e.what());
-    }
-    return {action, watchdog::pending(), watchdog::fired()};
   });
 }
 
