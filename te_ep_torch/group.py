@@ -37,7 +37,7 @@ _log = logging.getLogger("te_ep_torch")
 _modes_logged: set = set()
 
 # NCCL EP moves per-expert routing weights in 16-byte units; create_handle refuses other
-# expert counts (the constant lives in csrc/torch/backend.h).
+# expert counts (the constant lives in csrc/comm/backend.h).
 NCCL_EP_EXPERT_MULTIPLE = _nccl_ep.expert_multiple()
 
 
@@ -113,7 +113,7 @@ def _timeout_ms(timeout, pg: dist.ProcessGroup, device: torch.device) -> int:
 def nccl_ep_capacity_floor(max_tokens_per_rank: int) -> int:
     """The least capacity ``nccl_ep`` takes: NCCL EP's receive budget may not be below its send
     budget, ``max_tokens_per_rank`` rounded up to a multiple of :data:`NCCL_EP_EXPERT_MULTIPLE`.
-    The rule is the C++ backend's (``nccl_ep_capacity_floor`` in csrc/torch/backend.h)."""
+    The rule is the C++ backend's (``nccl_ep_capacity_floor`` in csrc/comm/backend.h)."""
     return int(torch.ops.te_ep._nccl_ep_capacity_floor(max_tokens_per_rank))
 
 
@@ -493,7 +493,7 @@ class EpGroup:
 
         def validated() -> int:
             # Python checks what the op schema can't express (types); the value rules are the C++
-            # side's (handle_config in csrc/torch/comm_ops.cpp), asked before the ranks agree.
+            # side's (handle_config in csrc/comm/comm_ops.cpp), asked before the ranks agree.
             for name, value in (("top_k", top_k), ("hidden", hidden), ("alignment", alignment)):
                 if not isinstance(value, int) or isinstance(value, bool):
                     raise ValueError(f"create_handle: {name} must be an int, got {value!r}")
