@@ -127,12 +127,13 @@ BUILD_INFO = {
 
 
 def _sources(with_cuda: bool):
-    patterns = ["csrc/common/*.cpp", "csrc/torch/*.cpp"]
+    """Every .cpp under csrc/, and every .cu with CUDA: library.cpp and the family folders (csrc/README.md)."""
+    patterns = ["csrc/**/*.cpp"]
     if with_cuda:
-        patterns += ["csrc/common/*.cu", "csrc/torch/*.cu"]
+        patterns += ["csrc/**/*.cu"]
     out = []
     for p in patterns:
-        out += sorted(glob.glob(os.path.join(ROOT, p)))
+        out += sorted(glob.glob(os.path.join(ROOT, p), recursive=True))
     return [os.path.relpath(s, ROOT) for s in out]
 
 

@@ -6,7 +6,7 @@
 Prints a markdown table. The capacities come from te_ep_torch itself
 (``te_ep_torch.ops.worst_case_capacity`` and ``te_ep_torch.group.capacity_for_factor``, the
 rule of ``EpGroup.capacity_for_factor``); the bytes from what the nccl_ep backend allocates
-(csrc/torch/nccl_ep_backend.cpp) for ``C`` capacity rows, ``T`` tokens per rank and rows of
+(csrc/nccl_ep/nccl_ep_backend.cpp) for ``C`` capacity rows, ``T`` tokens per rank and rows of
 ``H`` values of the token dtype:
 
 * staged: ``dispatch`` returns the receive tensor ``[C, H]`` and its weights ``[C]`` float32

@@ -115,7 +115,7 @@ def _ops():
 
 
 def expert_multiple() -> int:
-    """What ``num_experts`` must be a multiple of on the nccl_ep backend (csrc/torch/backend.h).
+    """What ``num_experts`` must be a multiple of on the nccl_ep backend (csrc/comm/backend.h).
 
     NCCL EP moves per-expert routing weights in 16-byte units. Answered by the op
     library alone, also in builds without NCCL EP.

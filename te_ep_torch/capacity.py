@@ -50,7 +50,7 @@ def worst_case(ep_size: int, max_tokens_per_rank: int, top_k: int, num_local_exp
 def nccl_ep_capacity_floor(max_tokens_per_rank: int) -> int:
     """The least capacity ``nccl_ep`` takes: NCCL EP's receive budget may not be below its send
     budget, ``max_tokens_per_rank`` rounded up to a multiple of :data:`NCCL_EP_EXPERT_MULTIPLE`.
-    The rule is the C++ backend's (``nccl_ep_capacity_floor`` in the backend header)."""
+    The rule is the C++ backend's (``nccl_ep_capacity_floor`` in csrc/comm/backend.h)."""
     return int(torch.ops.te_ep._nccl_ep_capacity_floor(max_tokens_per_rank))
 
 

@@ -38,7 +38,7 @@ _log = logging.getLogger("te_ep_torch")
 _modes_logged: set = set()
 
 # NCCL EP moves per-expert routing weights in 16-byte units; create_handle refuses other
-# expert counts (the constant lives in csrc/torch/backend.h).
+# expert counts (the constant lives in csrc/comm/backend.h).
 NCCL_EP_EXPERT_MULTIPLE = _nccl_ep.expert_multiple()
 
 
@@ -412,7 +412,7 @@ class EpGroup:
 
         def validated() -> int:
             # Python checks what the op schema can't express (types); the value rules are the C++
-            # side's (handle_config in csrc/torch/comm_ops.cpp), asked before the ranks agree.
+            # side's (handle_config in csrc/comm/comm_ops.cpp), asked before the ranks agree.
             for name, value in (("top_k", top_k), ("hidden", hidden), ("alignment", alignment)):
                 if not isinstance(value, int) or isinstance(value, bool):
                     raise ValueError(f"create_handle: {name} must be an int, got {value!r}")

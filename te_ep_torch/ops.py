@@ -1,6 +1,6 @@
 """Typed wrappers of the ``te_ep`` communication ops, and the fake kernels of every ``te_ep`` op.
 
-The ops themselves are declared in ``csrc/torch/library.cpp``; their contract
+The ops themselves are declared in ``csrc/library.cpp``; their contract
 is ``docs/ops.md`` (communication) and ``docs/permutation.md`` (permutation).
 Fake kernels compute output shapes from input shapes and int arguments alone,
 so ``torch.compile`` never needs the process group or routing values. This
@@ -140,7 +140,7 @@ def combine_buffer(handle_id: int) -> Optional[Tensor]:
 
 def worst_case_capacity(ep_size: int, max_tokens_per_rank: int, top_k: int, num_local_experts: int,
                         alignment: int) -> int:
-    """Receive rows that no routing can overflow (one formula, in csrc/common/routing.cpp)."""
+    """Receive rows that no routing can overflow (one formula, in csrc/comm/core/routing.cpp)."""
     return int(torch.ops.te_ep.worst_case_capacity(ep_size, max_tokens_per_rank, top_k, num_local_experts, alignment))
 
 

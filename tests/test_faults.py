@@ -297,7 +297,7 @@ def test_guarded_routing_follows_the_one_rule_of_every_check_mode():
 
 # ---------------------------------------------------------------------------
 # the nccl_ep declarations against what docs/ops.md ("Check modes", the faults table) and
-# csrc/torch/nccl_ep_checks.cpp say each mode does (W = 2, E = 8, handle 1 of group '0',
+# csrc/nccl_ep/nccl_ep_checks.cpp say each mode does (W = 2, E = 8, handle 1 of group '0',
 # process-group timeout 20 s): accepted as declared, and a hang or a wrong output is not
 # ---------------------------------------------------------------------------
 NCCL_PG_S = 20.0

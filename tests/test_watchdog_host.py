@@ -1,4 +1,4 @@
-"""te_ep's watchdog on the host, without a GPU (csrc/common/watchdog.h, docs/nccl_ep.md "Timeouts").
+"""te_ep's watchdog on the host, without a GPU (csrc/watchdog/core/watchdog.h, docs/nccl_ep.md "Timeouts").
 
 A rank whose peer exited waits inside an op forever: in a collective, in NCCL EP's host calls,
 or in a CUDA call behind GPU work that waits for the peer. The watchdog's limit counts from the

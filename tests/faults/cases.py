@@ -17,7 +17,7 @@ raise is measured and judged like any other.
 ("reference"; "nccl_ep": checks='local'; "nccl_ep+check": checks='synchronous'; "nccl_ep+device":
 checks='device') to what the code does,
 an `Expect` with its `shortfall` where that differs from the contract. The nccl_ep ones are
-declared from the code (csrc/torch/nccl_ep_checks.cpp, comm_ops.cpp, csrc/common/watchdog.h)
+declared from the code (csrc/nccl_ep/nccl_ep_checks.cpp, comm_ops.cpp, csrc/watchdog/core/watchdog.h)
 and docs/ops.md, "Check modes", and say where GPU runs measured them (every case at W=2 and W=4:
 MEASURED); this CPU run measures the reference backend. tests/test_faults.py holds the reference
 backend to its declared behaviour and checks that each declared shortfall is still one.
@@ -236,7 +236,7 @@ def _with(idx: torch.Tensor, t: int, k: int, value) -> torch.Tensor:
 
 def _guarded(idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     """`idx` with every bad choice as -1, by the one rule of every check mode
-    (choice_error_bits in csrc/common/nccl_ep_kernels.cu): an id outside [-1, E), or an expert
+    (choice_error_bits in csrc/nccl_ep/core/nccl_ep_kernels.cu): an id outside [-1, E), or an expert
     already named earlier in the token's row."""
     out = idx.clone()
     for t, row in enumerate(idx.tolist()):
@@ -520,7 +520,7 @@ TORCH_ABORT_SLACK_S = 20.0
 
 def _watchdog_ends(expect: Expect, op: Substring, shortfall: str = NCCL_EP_WATCHDOG_SHORTFALL, **changes) -> Expect:
     """Ranks that wait for a lost peer, in `op` on the host or in its kernels, are ended by
-    te_ep's watchdog (csrc/common/watchdog.h) one process-group timeout after they entered `op`
+    te_ep's watchdog (csrc/watchdog/core/watchdog.h) one process-group timeout after they entered `op`
     (a tuple: the message names one of these ops)."""
     return expect.but(watchdog_op=op, shortfall=shortfall, **changes)
 
@@ -531,7 +531,7 @@ NCCL_EP_CHECK_WORDING = (MEASURED + "every rank raises as the contract asks; the
 
 def _check_routing(expect: Expect, *faulty_says) -> Expect:
     """checks='synchronous' on nccl_ep: the reference backend's agreement (agree_on_host in
-    csrc/torch/agreement.cpp), so every rank raises in the op as the contract asks; a finding of
+    csrc/comm/agreement.cpp), so every rank raises in the op as the contract asks; a finding of
     the device's detection kernel is worded by the one message builder (`faulty_says`)."""
     if not faulty_says:
         return expect
@@ -539,7 +539,7 @@ def _check_routing(expect: Expect, *faulty_says) -> Expect:
 
 
 # The messages of a bad routing value recorded in the step (NcclEpChecks::message in
-# csrc/torch/nccl_ep_checks.cpp): check mode local's (on the faulty rank) and device's (the
+# csrc/nccl_ep/nccl_ep_checks.cpp): check mode local's (on the faulty rank) and device's (the
 # same on every rank).
 GUARD_SAYS = "te_ep.prepare: an earlier step of this handle on rank {faulty} had "
 DEVICE_SAYS = ("te_ep.prepare: an earlier step of this handle failed on the device checks of every rank "

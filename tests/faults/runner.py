@@ -53,7 +53,7 @@ DEFAULT_PG_TIMEOUT_CUDA_S = 20.0
 DEFAULT_STARTUP_LIMIT_S = _dist.DEFAULT_STARTUP_LIMIT_S
 # The exit code of a rank that leaves on purpose (the rank_exits_mid_step case).
 INJECTED_EXIT_CODE = 3
-WATCHDOG_EXIT_CODE = 70  # a rank te_ep's watchdog ended (csrc/common/watchdog.h)
+WATCHDOG_EXIT_CODE = 70  # a rank te_ep's watchdog ended (csrc/watchdog/core/watchdog.h)
 # A rank torch's NCCL watchdog ended: it rethrows the collective's timeout (or NCCL's error)
 # from its own thread, so std::terminate aborts the process (SIGABRT), after this line in stderr.
 TORCH_ABORT_EXIT_CODE = -6

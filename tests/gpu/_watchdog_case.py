@@ -1,4 +1,4 @@
-"""One process, one GPU, EP size 1: drives the nccl_ep watchdog (csrc/common/watchdog.h).
+"""One process, one GPU, EP size 1: drives the nccl_ep watchdog (csrc/watchdog/core/watchdog.h).
 
     python3 tests/gpu/_watchdog_case.py stall|steps [--timeout S] [--stall S]
 

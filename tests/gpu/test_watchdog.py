@@ -1,4 +1,4 @@
-"""The watchdog of the nccl_ep ops (csrc/common/watchdog.h, docs/nccl_ep.md "Timeouts").
+"""The watchdog of the nccl_ep ops (csrc/watchdog/core/watchdog.h, docs/nccl_ep.md "Timeouts").
 
 NCCL EP's high-throughput kernels wait for the other ranks with no time limit, so a lost
 rank would leave the others spinning forever. te_ep registers every nccl_ep op with a
