@@ -141,7 +141,16 @@ and NVSHMEM_DISABLE_NVLS=1 are the defaults.
 
 from __future__ import annotations
 
-import _common  # first: it sets the environment NCCL reads when it initialises
+# _common first: it sets the environment NCCL reads when it initialises. Run as a script
+# (python3 or torchrun), this folder is on the import path; imported (the tests import
+# benchmarks.bench_dispatch_combine), the modules beside it are in its package.
+if __package__:
+    from . import _common, _nccl_ep_alone
+    from ._common import Column, Timing
+else:
+    import _common
+    import _nccl_ep_alone
+    from _common import Column, Timing
 
 import argparse
 import contextlib
@@ -156,9 +165,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-
-import _nccl_ep_alone
-from _common import Column, Timing
 
 DTYPE = torch.bfloat16
 MODES = ("staged", "zero_copy", "auto")

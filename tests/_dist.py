@@ -4,16 +4,19 @@ A task is a module-level function and picklable arguments; every rank runs
 ``fn(ctx, *args, **kwargs)`` with a `Ctx` saying where it runs. Two modes run it:
 
 * Pools (`WorkerPool`, `PoolRegistry`, the ``pools`` fixture of conftest.py): W spawned
-  processes that joined one gloo process group, kept for the pytest session per world size,
-  so the cost of starting W interpreters and importing torch is paid once. For bodies that
-  leave no process-wide state behind.
+  processes that joined one process group (gloo on CPU; NCCL with one GPU per rank on CUDA),
+  kept for the pytest session per world size and device, so the cost of starting W
+  interpreters, importing torch and creating the group is paid once. Each task says which
+  te_ep backend, nccl_ep mode and check mode its body tests (a `Launch`), so one pool serves
+  them all. For bodies that leave no process-wide state behind.
 * Fresh processes (`run_fresh`, and `launch_fresh` underneath it): each run in W new
   processes (forked from a server that imported torch and te_ep_torch once, or spawned),
   with a new process group (gloo on CPU; NCCL with one GPU per rank on CUDA), a hard
   wall-clock limit after which every process of the run is killed, and per-rank records
   (what the body returned or raised, the exit code, when the process ended, its stderr).
-  For bodies that patch modules or count compiled graphs, for CUDA, and for the fault
-  harness (tests/faults/runner.py), which needs nothing of a case to survive into the next.
+  For bodies that patch modules or count compiled graphs, for the MoE layer's own GPU tests
+  (tests/_moe_common.py), and for the fault harness (tests/faults/runner.py), which needs
+  nothing of a case to survive into the next.
 
 Scripts that are launchers of their own (torchrun) run through `run_torchrun`, with the
 import path of `subprocess_env`.
@@ -28,6 +31,8 @@ Why the rules below:
   report, then they count as hung.
 * Tests run W processes on a 2-core machine: workers use one intra-op thread each so they
   don't oversubscribe the cores.
+* A pool worker whose parent is gone (pytest killed by a time limit) exits by itself, so no
+  worker is left holding a GPU.
 * The ranks meet in a FileStore in the run's own temporary directory (no port), wait there
   until all of them are up (under the start-up limit), then create the process group, so
   start-up skew never counts against a task's deadline.
@@ -89,6 +94,53 @@ class Ctx:
         return {**mode, "checks": self.checks}
 
 
+# The CPU deadlines of a task, stretched on GPUs for the first CUDA/NCCL set-up and NCCL EP's
+# kernel compilation on the first use of a shape; TE_EP_SUITE_TIMEOUT_FACTOR overrides.
+GPU_TIMEOUT_FACTOR = float(os.environ.get("TE_EP_SUITE_TIMEOUT_FACTOR", "2.0"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """Where a multi-rank body runs and what it tests: W ranks on CPU (gloo) or on W GPUs
+    (NCCL), the te_ep backend, and for nccl_ep its mode and check mode (``Ctx`` carries them
+    to the body)."""
+
+    world_size: int
+    device: str = "cpu"  # "cpu" or "cuda"
+    backend: str = "reference"
+    nccl_ep_mode: Optional[str] = None
+    checks: str = "local"
+
+    @property
+    def id(self) -> str:
+        """The pytest id: ``cpu-W2``, ``cuda-W2-reference``, ``cuda-W4-nccl_ep-zero_copy-checks_device``."""
+        parts = [self.device, f"W{self.world_size}"]
+        if self.device != "cpu" or self.backend != "reference":
+            parts.append(self.backend)
+        if self.backend == "nccl_ep":
+            parts += [self.nccl_ep_mode or "default_mode", f"checks_{self.checks}"]
+        return "-".join(parts)
+
+    def timeout(self, cpu_seconds: float) -> float:
+        return cpu_seconds * (GPU_TIMEOUT_FACTOR if self.device == "cuda" else 1.0)
+
+    def unavailable(self) -> str:
+        """Why this machine cannot run it ("" where it can)."""
+        if self.device == "cuda":
+            import torch
+
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if n < self.world_size:
+                return f"needs {self.world_size} CUDA GPUs, found {n}"
+        if self.backend == "nccl_ep":
+            from te_ep_torch import _nccl_ep
+
+            why = _nccl_ep.availability()
+            if why:
+                return f"nccl_ep unavailable: {why}"
+        return ""
+
+
 class HangError(AssertionError):
     pass
 
@@ -144,9 +196,24 @@ class _Reply:
     value: Any  # return value if ok, else the formatted traceback (str)
 
 
-def _worker_main(rank: int, world_size: int, tmp_dir: str, backend: str, tasks, replies) -> None:
+def _exit_with_parent() -> None:
+    """Ends this worker when the process that started it is gone (a pool's parent killed by a
+    time limit never sends the worker its stop)."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="te_ep_parent_watch").start()
+
+
+def _worker_main(rank: int, world_size: int, tmp_dir: str, device: str, tasks, replies) -> None:
+    _exit_with_parent()
     try:
-        ctx = _join_group(rank, world_size, tmp_dir, "cpu", backend, DEFAULT_PG_TIMEOUT_S, DEFAULT_STARTUP_LIMIT_S)
+        ctx = _join_group(rank, world_size, tmp_dir, device, "reference", DEFAULT_PG_TIMEOUT_S,
+                          DEFAULT_STARTUP_LIMIT_S)
     except BaseException:
         replies.put(_Reply(-1, rank, False, traceback.format_exc()))
         return
@@ -155,9 +222,15 @@ def _worker_main(rank: int, world_size: int, tmp_dir: str, backend: str, tasks, 
         item = tasks.get()
         if item is None:
             break
-        task_id, fn, args, kwargs = item
+        task_id, launch, fn, args, kwargs = item
         try:
-            value = fn(ctx, *args, **kwargs)
+            task_ctx = dataclasses.replace(ctx, backend=launch.backend, nccl_ep_mode=launch.nccl_ep_mode,
+                                           checks=launch.checks)
+            value = fn(task_ctx, *args, **kwargs)
+            if device == "cuda":
+                import torch
+
+                torch.cuda.synchronize()  # the task is done when its GPU work is
             reply = _Reply(task_id, rank, True, value)
         except BaseException:
             reply = _Reply(task_id, rank, False, traceback.format_exc())
@@ -171,19 +244,19 @@ def _worker_main(rank: int, world_size: int, tmp_dir: str, backend: str, tasks, 
 
 
 class WorkerPool:
-    def __init__(self, world_size: int, backend: str = "reference", start_timeout_s: float = DEFAULT_STARTUP_LIMIT_S):
+    def __init__(self, world_size: int, device: str = "cpu", start_timeout_s: float = DEFAULT_STARTUP_LIMIT_S):
         self.world_size = world_size
-        self.backend = backend
+        self.device = device
         self._mp = multiprocessing.get_context("spawn")
-        self._tmpdir = tempfile.TemporaryDirectory(prefix=f"te_ep_pool{world_size}_")
+        self._tmpdir = tempfile.TemporaryDirectory(prefix=f"te_ep_pool{world_size}{device}_")
         self._tasks = [self._mp.Queue() for _ in range(world_size)]
         self._replies = self._mp.Queue()
         self._procs = [
             self._mp.Process(
                 target=_worker_main,
-                args=(r, world_size, self._tmpdir.name, backend, self._tasks[r], self._replies),
+                args=(r, world_size, self._tmpdir.name, device, self._tasks[r], self._replies),
                 daemon=True,
-                name=f"te_ep_worker{r}of{world_size}",
+                name=f"te_ep_worker{r}of{world_size}{device}",
             )
             for r in range(world_size)
         ]
@@ -197,14 +270,18 @@ class WorkerPool:
             self.kill()
             raise RankFailure(_format_failures("pool start-up", bad))
 
-    def run(self, fn: Callable, *args, timeout: float = DEFAULT_TIMEOUT_S, **kwargs) -> list:
-        """Runs ``fn(ctx, *args, **kwargs)`` on every rank; returns the per-rank results."""
+    def run(self, fn: Callable, *args, timeout: float = DEFAULT_TIMEOUT_S, launch: Optional[Launch] = None,
+            **kwargs) -> list:
+        """Runs ``fn(ctx, *args, **kwargs)`` on every rank, with ``ctx`` saying the backend, nccl_ep
+        mode and check mode of ``launch`` (default: the reference backend); returns the per-rank
+        results."""
         if not self.alive:
             raise RuntimeError("worker pool is dead")
+        launch = launch or Launch(self.world_size, self.device)
         task_id = self._next_task
         self._next_task += 1
         for q in self._tasks:
-            q.put((task_id, fn, args, kwargs))
+            q.put((task_id, launch, fn, args, kwargs))
         name = getattr(fn, "__qualname__", repr(fn))
         got = self._collect(task_id, timeout, what=name)
         bad = {r: v for r, (ok, v) in got.items() if not ok}
@@ -284,21 +361,28 @@ def _died(what: str, codes: dict, failures: dict) -> RankFailure:
 
 
 class PoolRegistry:
-    """One live pool per world size; a killed pool is replaced on next use."""
+    """One live pool per world size and device; a killed pool is replaced on next use. On CUDA
+    one pool lives at a time: pools of different sizes would share GPUs."""
 
-    def __init__(self, backend: str = "reference"):
-        self.backend = backend
-        self._pools: dict[int, WorkerPool] = {}
+    def __init__(self):
+        self._pools: dict[tuple, WorkerPool] = {}
 
-    def get(self, world_size: int) -> WorkerPool:
-        pool = self._pools.get(world_size)
+    def get(self, world_size: int, device: str = "cpu") -> WorkerPool:
+        key = (world_size, device)
+        pool = self._pools.get(key)
         if pool is None or not pool.alive:
-            pool = WorkerPool(world_size, self.backend)
-            self._pools[world_size] = pool
+            if device == "cuda":
+                for other in [k for k in self._pools if k[1] == "cuda" and k != key]:
+                    self._pools.pop(other).close()
+            pool = WorkerPool(world_size, device)
+            self._pools[key] = pool
         return pool
 
-    def run(self, world_size: int, fn: Callable, *args, timeout: float = DEFAULT_TIMEOUT_S, **kwargs) -> list:
-        return self.get(world_size).run(fn, *args, timeout=timeout, **kwargs)
+    def run(self, where, fn: Callable, *args, timeout: float = DEFAULT_TIMEOUT_S, **kwargs) -> list:
+        """Runs ``fn(ctx, *args, **kwargs)`` on the pool of ``where``: a world size (CPU, the
+        reference backend) or a `Launch`."""
+        launch = where if isinstance(where, Launch) else Launch(where)
+        return self.get(launch.world_size, launch.device).run(fn, *args, timeout=timeout, launch=launch, **kwargs)
 
     def close(self) -> None:
         for pool in self._pools.values():

@@ -7,14 +7,9 @@ round, and the table gives the median of those ratios, not the ratio of the medi
 """
 
 import math
-import sys
 
-from _dist import REPO
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import bench_dispatch_combine as bench  # noqa: E402
-from _common import Timing  # noqa: E402
+from benchmarks import bench_dispatch_combine as bench
+from benchmarks._common import Timing
 
 SHAPE = bench.SHAPES["small"]
 TE_EP = bench.VariantSpec("nccl_ep", "zero_copy")

@@ -4,7 +4,7 @@ The receive rows below are worked out by hand from the definition (factor x top_
 max_tokens_per_rank, plus num_local_experts x (alignment - 1) zone padding, within
 [NCCL EP's floor, the worst case]), not by the formula under test. The multi-rank case
 (a fitted handle gives the worst-case handle's results; create_handle and ExpertParallel
-take the argument) is ep_cases' ``capacity_factor``, run by tests/test_ep_cpu.py.
+take the argument) is ep_cases' ``capacity_factor``, run by tests/test_ep_cases.py.
 """
 
 import math

@@ -1,32 +1,35 @@
-"""The fault-injection suite (tests/faults) on CPU: gloo process groups, the reference
-backend, every case in its own fresh processes with a short process-group timeout.
+"""The fault-injection suite (tests/faults): every case in its own fresh processes with a short
+process-group timeout, on CPU (gloo, the reference backend) and, marked ``gpu``, on GPUs (NCCL,
+nccl_ep in each mode and check mode at each ``--world-size``; tests/_launches.py).
 
-Each case must behave as declared for the reference backend (tests/faults/cases.py): where
-that is the contract, the contract; where it falls short, the measured behaviour written
-down there and in docs/ops.md ("Faults and bad input"), and it must still fall short (a
-fixed shortfall fails as STALE until its declaration and the docs are updated). The
-controls show that the runner sees a clean step as clean, a wrong output as wrong, zeros as
-zeros, a raise in a step's follow-up as a late raise and a hang as a hang, in the step or
-after it; the judge's own tests show that each kind of deviation is reported, that a hang or
-a wrong output fails whether or not anything is declared, and that the nccl_ep declarations
-(not measurable here) accept what docs/ops.md describes and nothing that hangs or is wrong.
+Each case must behave as declared for its variant (tests/faults/cases.py): where that is the
+contract, the contract; where it falls short, the measured behaviour written down there and in
+docs/ops.md ("Faults and bad input"), and it must still fall short (a fixed shortfall fails as
+STALE until its declaration and the docs are updated). The controls show that the runner sees
+a clean step as clean, a wrong output as wrong, zeros as zeros, a raise in a step's follow-up
+as a late raise and a hang as a hang, in the step or after it; the judge's own tests show that
+each kind of deviation is reported, that a hang or a wrong output fails whether or not
+anything is declared, and that the nccl_ep declarations accept what docs/ops.md describes and
+nothing that hangs or is wrong.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
-import subprocess
-import sys
+import time
 
 import pytest
 import torch
 
 import _dist
+from _dist import Launch
+from _launches import gpu_launches, param
 from faults import cases as fault_cases
 from faults.expect import Expect, evaluate, judge
-from faults.runner import (INJECTED_EXIT_CODE, TORCH_ABORT_EXIT_CODE, WATCHDOG_EXIT_CODE, CaseResult, RankRecord,
-                           RunConfig, describe, run_case)
+from faults.runner import (DEFAULT_PG_TIMEOUT_CUDA_S, INJECTED_EXIT_CODE, TORCH_ABORT_EXIT_CODE, WATCHDOG_EXIT_CODE,
+                           CaseResult, RankRecord, RunConfig, describe, run_case, summary_line)
+
+pytestmark = pytest.mark.faults
 
 PG_TIMEOUT_S = 5.0
 CONFIG = RunConfig(backend="reference", device="cpu", pg_timeout_s=PG_TIMEOUT_S)
@@ -38,14 +41,60 @@ def _run(case, world_size: int) -> CaseResult:
     return result
 
 
-@pytest.mark.parametrize(
-    "case,world_size",
-    [pytest.param(c, W, id=f"{c.name}-W{W}") for c in fault_cases.CASES for W in c.world_sizes],
-)
-def test_fault_case(case, world_size):
-    result = _run(case, world_size)
+def pytest_generate_tests(metafunc):
+    if metafunc.function is test_fault_case:
+        params = [param(Launch(W), case, name=case.name) for case in fault_cases.CASES for W in case.world_sizes]
+        # at one GPU only the cases marked one_rank (the faulty rank's side)
+        params += [param(launch, case, name=case.name, quick=case.name in fault_cases.QUICK)
+                   for launch in gpu_launches(metafunc.config, ["nccl_ep"])
+                   for case in fault_cases.CASES if launch.world_size > 1 or case.one_rank]
+        metafunc.parametrize("case,launch", params)
+
+
+def _config(options, launch: Launch) -> RunConfig:
+    if launch.device == "cpu":
+        return dataclasses.replace(CONFIG, world_size=launch.world_size)
+    return RunConfig(backend=launch.backend, device="cuda", world_size=launch.world_size,
+                     pg_timeout_s=options.getoption("faults_pg_timeout") or DEFAULT_PG_TIMEOUT_CUDA_S,
+                     checks=launch.checks, nccl_ep_mode=launch.nccl_ep_mode,
+                     dump_after_s=tuple(float(s) for s in options.getoption("faults_dump_after").replace(",", " ")
+                                        .split()),
+                     keep_logs=options.getoption("faults_keep_logs"))
+
+
+_WARMED: set = set()
+
+
+def _warm_kernel_cache(config: RunConfig) -> None:
+    """NCCL EP compiles its kernels on the first use of a shape, tens of seconds inside the op,
+    which a case would count against its process-group timeout: the fault-free controls run
+    first, once per world size and nccl_ep mode, with a long timeout."""
+    key = (config.world_size, config.nccl_ep_mode)
+    if key in _WARMED:
+        return
+    _WARMED.add(key)
+    for name in ("control_no_fault", "control_overflow_shape"):
+        warm = run_case(fault_cases.CASES_BY_NAME[name],
+                        dataclasses.replace(config, pg_timeout_s=300.0, dump_after_s=(), keep_logs=""))
+        print(f"warm-up {name}: {', '.join(rec.outcome() for rec in warm.ranks)} in {warm.wall_s:.0f} s"
+              f"{' (HANG)' if warm.hang else ''}")
+
+
+def test_fault_case(request, case, launch):
+    config = _config(request.config, launch)
+    if config.backend == "nccl_ep":
+        _warm_kernel_cache(config)
+    start = time.monotonic()
+    result = run_case(case, config)
+    case_s = time.monotonic() - start  # processes started to processes gone: what the case costs
+    print(describe(result))  # shown by pytest on failure
     verdict, problems = judge(case, result)
-    assert verdict in ("contract", "shortfall"), f"{case.name} at W={world_size}: {verdict}\n" + "\n".join(problems)
+    summary = request.config.getoption("faults_summary")
+    if summary:
+        with open(summary, "a") as f:
+            f.write(summary_line(result, verdict, case_s) + "\n")
+    assert verdict in ("contract", "shortfall"), (f"{case.name} ({config.variant}) at W={config.world_size}: "
+                                                  f"{verdict}\n" + "\n".join(problems))
     assert not result.hang
 
 
@@ -119,7 +168,7 @@ def test_control_late_raise_is_seen_in_the_follow_up():
 
 def test_every_fault_case_declares_its_behaviour():
     """Every case declares an Expect for every variant (nccl_ep+device included), none merely
-    described; every shortfall says what it is; the command line's modes map to the variants."""
+    described; every shortfall says what it is; the check modes map to the variants."""
     assert len({c.name for c in fault_cases.CASES + fault_cases.CONTROLS}) == len(fault_cases.CASES_BY_NAME)
     assert set(fault_cases.VARIANTS) == {"reference", "nccl_ep", "nccl_ep+check", "nccl_ep+device"}
     for case in fault_cases.CASES:
@@ -539,6 +588,7 @@ def test_runner_records_which_limit_ended_each_rank(tmp_path):
     assert line.startswith("rank_exits_mid_step W=3 backend=reference mode=zero_copy checks=local pg_timeout=5s "
                            "group_timeout_ms=5000 | "), line
     assert "r0: te_ep watchdog (host) after" in line and "r2: torch PG timeout (raised) after 5.00 s" in line, line
+    assert runner.summary_line(result, "shortfall", 12.34) == line + " | verdict shortfall | case 12.3 s"
 
 
 def test_runner_does_not_read_nccl_ep_start_up_line_as_its_timeout(tmp_path):
@@ -562,48 +612,6 @@ def test_runner_does_not_read_nccl_ep_start_up_line_as_its_timeout(tmp_path):
         rec, = runner._finish_records([str(path)], [Ended()], t_stop=101.0, seen_dead={})
         ended.append(rec.ended_by)
     assert ended == ["raised", "NCCL EP timeout"], ended
-
-
-# ---------------------------------------------------------------------------
-# the command line
-# ---------------------------------------------------------------------------
-def test_command_line(tmp_path):
-    summary = tmp_path / "summary.txt"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.faults", "--backend", "reference", "--world-size", "2",
-         "-k", "handle_config_mismatch", "tokens_hidden", "--summary", str(summary)],
-        cwd=_dist.REPO, env=_dist.subprocess_env(), capture_output=True, text=True, timeout=300,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
-    assert re.search(r"^handle_config_mismatch +reference +2 +r0 raised, r1 raised .* contract ", out, re.M), out
-    assert re.search(r"^tokens_hidden_one_rank +reference +2 +r0 raised, r1 raised .* contract ", out, re.M), out
-    assert "2 cases in" in out, out
-    # One line per case: which limit ended each rank, the verdict, and what the case cost.
-    lines = summary.read_text().splitlines()
-    assert [line.split(" ", 1)[0] for line in lines] == ["tokens_hidden_one_rank", "handle_config_mismatch"], lines
-    for line in lines:
-        assert re.search(r"\| r0: raised after [0-9.]+ s; r1: raised after [0-9.]+ s \| verdict contract "
-                         r"\| case [0-9]+\.[0-9] s$", line), line
-
-
-def test_command_line_one_rank():
-    """--world-size 1 runs only the cases marked one_rank (the faulty rank's side) and says which
-    it skipped; at W=1 the reference backend meets the contract."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.faults", "--backend", "reference", "--world-size", "1",
-         "-k", "tokens_dtype", "rank_exits", "bad_step"],
-        cwd=_dist.REPO, env=_dist.subprocess_env(), capture_output=True, text=True, timeout=300,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
-    assert "Skipped, meaningless at W=1: rank_exits_mid_step" in out, out
-    assert re.search(r"^tokens_dtype_one_rank +reference +1 +r0 raised .* contract ", out, re.M), out
-    assert re.search(r"^bad_step_then_recovery +reference +1 +r0 raised .* contract ", out, re.M), out
-    assert "2 cases in" in out, out
-    assert [c.name for c in fault_cases.CASES if c.one_rank] == [
-        "expert_id_out_of_range", "expert_id_negative", "repeated_expert", "topk_idx_dtype_one_rank",
-        "tokens_dtype_one_rank", "tokens_hidden_one_rank", "bad_step_then_recovery"]
 
 
 def test_one_rank_meeting_the_contract_is_not_stale_where_the_shortfall_concerns_the_others():

@@ -14,7 +14,9 @@ import te_ep_torch as te
 from te_ep_torch.testing.fp8_reference import BLOCK, dequantize_reference, quantize_reference
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# The CUDA kernels are in the quick GPU selection (pytest -m "gpu and quick").
+NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.quick, NO_GPU])]
 
 
 def _rows(dtype, tokens=24, hidden=4 * BLOCK, seed=0, device="cpu"):

@@ -1,5 +1,11 @@
 """The harness itself: a failure is reported with the rank's traceback, a hang becomes a
-failure within the deadline, and the pool recovers after both."""
+failure within the deadline, and the pool recovers after both; a task's launch reaches its
+body; a worker whose parent is gone exits."""
+
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -40,3 +46,54 @@ def test_hang_is_a_failure_and_pool_recovers(pools):
     with pytest.raises(_dist.HangError, match=r"hang: .* ranks \[1\]"):
         pools.run(2, _hang_unless_rank0, timeout=5)
     assert pools.run(2, _rank_and_size) == [(0, 2, 0, 2), (1, 2, 1, 2)]
+
+
+def _launch_seen(ctx):
+    return ctx.backend, ctx.nccl_ep_mode, ctx.checks, ctx.device
+
+
+def test_a_launch_reaches_the_body(pools):
+    launch = _dist.Launch(2, backend="nccl_ep", nccl_ep_mode="staged", checks="device")
+    assert pools.run(launch, _launch_seen) == [("nccl_ep", "staged", "device", "cpu")] * 2
+    assert pools.run(2, _launch_seen) == [("reference", None, "local", "cpu")] * 2  # same pool, the default
+
+
+PARENT = """
+import sys, time
+sys.path[:0] = [{tests!r}]
+import _dist
+if __name__ == "__main__":
+    pool = _dist.WorkerPool(1)
+    print(pool._procs[0].pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie nobody has reaped yet (it holds nothing)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return True
+
+
+def test_a_worker_whose_parent_died_exits(tmp_path):
+    """pytest killed by a time limit never stops its pools: their workers must not stay (on GPUs,
+    holding them)."""
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT.format(tests=str(_dist.REPO / "tests")))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              env=_dist.subprocess_env())
+    try:
+        worker = int(parent.stdout.readline())
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 15
+    while not _gone(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = not _gone(worker)
+    if alive:
+        os.kill(worker, 9)
+    assert not alive, "the worker outlived its parent"

@@ -103,6 +103,7 @@ def test_fp8_dispatch_layer_compiles_fullgraph():
 
 
 @pytest.mark.gpu
+@pytest.mark.quick
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fp8_dispatch_layer_gpu(dtype):
     need_gpus(2)

@@ -193,6 +193,7 @@ def test_overlap_layer_matches_sequential(fp8, aux):
 
 
 @pytest.mark.gpu
+@pytest.mark.quick
 @pytest.mark.parametrize("nprocs", [1, 2])
 @pytest.mark.parametrize("dtype,fp8,stress,aux", [("float32", False, True, "group"), ("bfloat16", False, True, "group"),
                                                   ("bfloat16", True, True, "local"), ("bfloat16", False, False, "local")])
@@ -241,6 +242,7 @@ def _worker_overlap_graph(ctx) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.quick
 @pytest.mark.parametrize("nprocs", [1, 2])
 def test_overlap_layer_in_a_cuda_graph_gpu(nprocs):
     need_gpus(nprocs)

@@ -11,10 +11,7 @@ import sys
 import pytest
 
 from _dist import REPO
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import trace_ranges  # noqa: E402
+from benchmarks import trace_ranges
 
 
 def _tid(pid: int, thread: int) -> int:
@@ -141,12 +138,9 @@ def test_a_json_without_trace_events_is_refused_by_name(tmp_path):
 
 
 def _profile_a_matmul(ctx, trace_dir):
-    benchmarks = str(REPO / "benchmarks")
-    if benchmarks not in sys.path:
-        sys.path.insert(0, benchmarks)
     import torch
 
-    import bench_dispatch_combine as bench
+    from benchmarks import bench_dispatch_combine as bench
 
     x = torch.ones(32, 32)
     bench.profile_ops("te_ep/zero_copy", {"mm": bench.Op(lambda: x @ x)}, 3, torch.device("cpu"), trace_dir)

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 import te_ep_torch  # noqa: F401  (loads the library)
 from te_ep_torch.zones import expert_ffn, grouped_linear, weighted_for_combine, zone_bias, zone_glu, zone_scale
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, NO_GPU])]
 SENTINEL = 12345.0
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 

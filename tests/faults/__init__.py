@@ -12,11 +12,15 @@ seen. Every case declares what the contract asks of it and what the code does to
 that falls short (`cases.Expect`); tests/test_faults.py asserts both on CPU/gloo. A hang or a wrong
 output that a case does not declare fails it in every variant.
 
-    python3 -m tests.faults --backend reference --world-size 2
-    python3 -m tests.faults --backend nccl_ep --device cuda --world-size 2 [--check-routing | --device-checks]
+tests/test_faults.py runs every case as a test of its own: on CPU (gloo, the reference
+backend), and on GPUs (marked gpu, faults and nccl_ep) with the nccl_ep backend in each mode
+and check mode at each ``--world-size`` (1: only the cases marked ``one_rank``, the faulty
+rank's side). For example, every fault case at two and four GPUs, with a 10 s process-group
+timeout, and a line per case saying which limit ended each rank:
 
-Modules: `runner` (records and the table; the processes are tests/_dist.py's fresh-processes
-mode), `cases` (the faults and their expectations), `__main__` (the command line). They import
-tests/ as the rest of the suite does (``_dist``, ``ep_cases``): pytest's ``pythonpath`` puts it
-on the import path, the command line puts it there itself.
+    python3 -m pytest -m "gpu and faults" --world-size 2,4 --faults-pg-timeout 10 --faults-summary faults.txt
+
+Modules: `runner` (records; the processes are tests/_dist.py's fresh-processes mode), `cases`
+(the faults and their expectations), `expect` (the judge). They import tests/ as the rest of
+the suite does (``_dist``, ``ep_cases``): pytest's ``pythonpath`` puts it on the import path.
 """

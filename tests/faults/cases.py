@@ -57,8 +57,8 @@ H = STEP.hidden
 
 
 # Backend variants with declared behaviour: "reference" is measured here (CPU, gloo); the
-# nccl_ep ones (runner.RunConfig.variant: --checks synchronous gives "nccl_ep+check",
-# --checks device "nccl_ep+device") are declared from the code and docs/ops.md and measured on
+# nccl_ep ones (runner.RunConfig.variant: checks 'synchronous' gives "nccl_ep+check",
+# checks 'device' "nccl_ep+device") are declared from the code and docs/ops.md and measured on
 # GPUs (MEASURED). Any other run (e.g. the reference backend on NCCL) is only
 # measured, and still fails on a hang or a wrong output.
 VARIANTS = ("reference", "nccl_ep", "nccl_ep+check", "nccl_ep+device")
@@ -72,12 +72,12 @@ class Case:
     faulty: Callable[[int], int]  # the faulty rank, given W
     contract: Expect
     behaviour: Dict[str, Expect] = dataclasses.field(default_factory=dict)  # every variant of VARIANTS
-    world_sizes: tuple = (2,)  # where tests/test_faults.py runs it on CPU
+    world_sizes: tuple = (2,)  # where tests/test_faults.py runs it on CPU (on GPUs: at each --world-size)
     wall: Callable[[float], float] = lambda pg: 2 * pg + 10
     control: bool = False  # checks the harness (no fault, or a fault of the harness's own)
-    # Meaningful at W = 1 (`--world-size 1`, one GPU): the fault is on the only rank, so what is
-    # measured is the faulty rank's side (where it raises, its message, its outputs, recovery);
-    # what the other ranks do needs W >= 2.
+    # Meaningful at W = 1 (one GPU; the other cases do not run there): the
+    # fault is on the only rank, so what is measured is the faulty rank's side (where it raises,
+    # its message, its outputs, recovery); what the other ranks do needs W >= 2.
     one_rank: bool = False
 
     def wall_s(self, pg_timeout_s: float) -> float:
@@ -610,7 +610,7 @@ _PREPARE_ARG_CONTRACT = _arg_error("prepare", "topk_idx must be torch.int64 or t
     recovers=True)
 
 
-def _arg_case(name, fault, body, faulty, op, says, own) -> Case:
+def _arg_case(name, fault, body, faulty, op, says, own, world_sizes=(2,)) -> Case:
     """An argument error of `op`, a step op after a good prepare: `says`, the contract's words
     for the faulty rank; `own`, its whole message (the device check mode repeats it)."""
     contract = _arg_error(op, *says).but(recovers=True)
@@ -630,6 +630,7 @@ def _arg_case(name, fault, body, faulty, op, says, own) -> Case:
             # zeros, and check() raises on every rank; the faulty rank's message holds its own error
             "nccl_ep+device": _device_arg(contract, CHECK, op, own),
         },
+        world_sizes=world_sizes,
         one_rank=True,
     )
 
@@ -699,7 +700,7 @@ CASES = [
     ),
     _arg_case("tokens_dtype_one_rank", "tokens of the wrong dtype (float16 for a bfloat16 handle) on one rank",
               body_tokens_dtype, lambda W: W - 1, "dispatch", ("tokens", "torch.bfloat16", "torch.float16"),
-              "tokens must be torch.bfloat16 (the handle's dtype), got torch.float16"),
+              "tokens must be torch.bfloat16 (the handle's dtype), got torch.float16", world_sizes=(1, 2)),
     _arg_case("tokens_hidden_one_rank", "tokens of the wrong hidden size on one rank",
               body_tokens_hidden, lambda W: 0, "dispatch", ("tokens.size(1)", "{H}", "{H1}"),
               "tokens.size(1) must be {H} (the handle's hidden), got {H1}"),
@@ -780,6 +781,7 @@ CASES = [
             "nccl_ep+device": _device(_BAD_STEP_CONTRACT, CHECK,
                                       "rank {faulty}: topk_idx[3, 0] = {E} (an expert id outside [-1, {E}))"),
         },
+        world_sizes=(1, 2),
         one_rank=True,
     ),
 ]
@@ -806,3 +808,8 @@ CONTROLS = [
 ]
 
 CASES_BY_NAME = {case.name: case for case in CASES + CONTROLS}
+
+# In the quick GPU selection (pytest -m "gpu and quick"): a bad expert id (the routing guard), a
+# bad dtype on one rank (an argument error of the op) and a rank that exits mid-step (the
+# watchdog's host side).
+QUICK = ("expert_id_out_of_range", "tokens_dtype_one_rank", "rank_exits_mid_step")

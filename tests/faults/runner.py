@@ -48,7 +48,7 @@ from typing import Callable, List, Optional, Tuple
 
 import _dist
 
-DEFAULT_PG_TIMEOUT_S = 5.0  # on CPU; on CUDA the command line defaults to DEFAULT_PG_TIMEOUT_CUDA_S
+DEFAULT_PG_TIMEOUT_S = 5.0  # on CPU; on CUDA tests/test_faults.py defaults to DEFAULT_PG_TIMEOUT_CUDA_S
 DEFAULT_PG_TIMEOUT_CUDA_S = 20.0
 DEFAULT_STARTUP_LIMIT_S = _dist.DEFAULT_STARTUP_LIMIT_S
 # The exit code of a rank that leaves on purpose (the rank_exits_mid_step case).
@@ -58,11 +58,6 @@ WATCHDOG_EXIT_CODE = 70  # a rank te_ep's watchdog ended (csrc/watchdog/core/wat
 # from its own thread, so std::terminate aborts the process (SIGABRT), after this line in stderr.
 TORCH_ABORT_EXIT_CODE = -6
 TORCH_WATCHDOG_SAYS = "watchdog thread terminated with exception"
-
-
-def _pkg() -> str:
-    """This package's import name (``faults`` under pytest, ``tests.faults`` under -m)."""
-    return __name__.rsplit(".", 1)[0]
 
 
 # ---------------------------------------------------------------------------
@@ -349,9 +344,9 @@ def _case_main(ctx, case_name: str, config: RunConfig) -> None:
         timer.daemon = True
         timer.start()
     try:
-        import importlib
+        from .cases import CASES_BY_NAME
 
-        case = importlib.import_module(f"{_pkg()}.cases").CASES_BY_NAME[case_name]
+        case = CASES_BY_NAME[case_name]
         f = FaultCtx(ctx.rank, config, case.faulty(config.world_size), record_path)
     except BaseException:
         rec = RankRecord(rank=ctx.rank, status="error", traceback=traceback.format_exc(),
@@ -441,7 +436,7 @@ def run_case(case, config: RunConfig) -> CaseResult:
         run = _dist.launch_fresh(
             W, _case_main, (case.name, config), wall_s=case.wall_s(config.pg_timeout_s), device=config.device,
             backend=config.backend, pg_timeout_s=config.pg_timeout_s, startup_limit_s=config.startup_limit_s,
-            start_method=config.start_method, preload=(f"{_pkg()}.cases",),
+            start_method=config.start_method, preload=("faults.cases",),
             finished=lambda r: _finished(_read_record(paths[r])), run_dir=case_dir, name=f"te_ep_fault_{case.name}")
         if not run.started:
             recs = [_read_record(paths[r]) or _startup_record(rank) for r, rank in enumerate(run.ranks)]
@@ -566,46 +561,29 @@ def _ended_by(rec: RankRecord, stderr: str) -> str:
     return f"{rec.status}({rec.exit_code})"
 
 
-def summary_line(result: CaseResult) -> str:
-    """One line per case: which limit ended each rank, after how many seconds from the fault."""
+def summary_line(result: CaseResult, verdict: str = "", case_s: Optional[float] = None) -> str:
+    """One line per case: which limit ended each rank, after how many seconds from the fault;
+    then the verdict and the case's own seconds (start of its processes to their end), where given."""
     cfg = result.config
     limits = sorted({rec.limit_ms for rec in result.ranks if rec.limit_ms is not None})
     ranks = "; ".join(f"r{rec.rank}: {rec.ended_by or rec.status} after {_secs(rec)} s" for rec in result.ranks)
-    return (f"{result.case} W={result.world_size} backend={cfg.backend} mode={cfg.mode} checks={cfg.checks} "
+    line = (f"{result.case} W={result.world_size} backend={cfg.backend} mode={cfg.mode} checks={cfg.checks} "
             f"pg_timeout={cfg.pg_timeout_s:g}s group_timeout_ms={','.join(map(str, limits)) or '?'}"
             f"{' HANG' if result.hang else ''} | {ranks}")
+    if verdict:
+        line += f" | verdict {verdict}"
+    if case_s is not None:
+        line += f" | case {case_s:.1f} s"
+    return line
 
 
 # ---------------------------------------------------------------------------
-# the table
+# the report
 # ---------------------------------------------------------------------------
 def _secs(rec: RankRecord) -> str:
     if rec.seconds is None:
         return "-"
     return (">" if rec.status == "hang" else "") + f"{rec.seconds:.2f}"
-
-
-def table_header() -> str:
-    return f"{'case':<32} {'backend':<14} {'W':>2}  {'outcome per rank':<46} {'s to fail':<17} {'verdict':<10} message"
-
-
-def table_row(result: CaseResult, verdict: str = "") -> str:
-    if result.startup_error:
-        return (f"{result.case:<32} {result.config.variant:<14} {result.world_size:>2}  {'start-up failed':<46} "
-                f"{'-':<17} {verdict:<10} {result.startup_error[:160]}")
-    outcome = ", ".join(f"r{rec.rank} {rec.outcome()}" for rec in result.ranks)
-    if result.hang:
-        outcome = "HANG: " + outcome
-    secs = " ".join(_secs(rec) for rec in result.ranks)
-    # the faulty rank's own message, else the first one there is
-    msgs = [rec for rec in result.ranks if rec.first_line]
-    msgs.sort(key=lambda rec: rec.rank != result.faulty)
-    message = msgs[0].first_line if msgs else ""
-    if msgs and len({rec.first_line for rec in msgs}) > 1:
-        other = next(rec for rec in msgs[1:] if rec.first_line != message)
-        message += f"  || r{other.rank}: {other.first_line}"
-    return (f"{result.case:<32} {result.config.variant:<14} {result.world_size:>2}  {outcome:<46} {secs:<17} "
-            f"{verdict:<10} {message[:220]}")
 
 
 def describe(result: CaseResult) -> str:

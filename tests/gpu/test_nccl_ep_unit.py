@@ -1,8 +1,8 @@
 """Tests specific to the nccl_ep backend: discovery, version checks, errors.
 
 The op contract itself (dispatch/combine results, gradients) is tested for both
-backends by the shared test bodies; tests/gpu/smoke_nccl_ep.py runs it on
-several GPUs. Tests here that need a GPU, or NCCL EP, skip with the reason.
+backends by the shared test bodies (tests/test_ep_cases.py, on GPUs too; its test_raw_ops
+drives the ops without EpGroup). Tests here that need a GPU, or NCCL EP, skip with the reason.
 """
 
 from __future__ import annotations

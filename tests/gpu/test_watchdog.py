@@ -24,6 +24,8 @@ import te_ep_torch  # noqa: F401  (loads the op library)
 from _dist import subprocess_env
 from te_ep_torch import _nccl_ep
 
+pytestmark = pytest.mark.quick  # the watchdog's GPU side is in the quick GPU selection
+
 CASE = Path(__file__).with_name("_watchdog_case.py")
 EXIT_CODE = 70
 
