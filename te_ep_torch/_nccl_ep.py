@@ -90,10 +90,6 @@ def install_command() -> str:
     return "pip install nccl-extensions 'nvidia-nccl-cu13==2.30.7'"
 
 
-def _format(version) -> str:
-    return ".".join(str(v) for v in version)
-
-
 def _nvcc_cuda_home() -> Optional[str]:
     for name in ("CUDA_HOME", "CUDA_PATH"):
         home = os.environ.get(name)

@@ -82,11 +82,10 @@ class EpOptions:
         unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise TypeError(f"{what}: unknown EP option {unknown[0]!r}")
-        defaults = cls()
-        values = {name: value for name, value in fields.items()}
+        # Built past __post_init__ (which would name "EpOptions"), then validated naming `what`.
         obj = object.__new__(cls)
         for f in dataclasses.fields(cls):
-            object.__setattr__(obj, f.name, values.get(f.name, getattr(defaults, f.name)))
+            object.__setattr__(obj, f.name, fields.get(f.name, f.default))
         obj.validate(what)
         return obj
 
@@ -105,10 +104,6 @@ class EpOptions:
             raise ValueError(f"{what}: pass options=EpOptions(...) or the keywords, not both; got options and "
                              f"{', '.join(changed)}")
         return options
-
-    def replace(self, **changes: Any) -> "EpOptions":
-        """A copy with ``changes`` (validated)."""
-        return dataclasses.replace(self, **changes)
 
     def group_kwargs(self) -> Dict[str, Any]:
         """The :func:`~te_ep_torch.parallel.ep_group_for` / :class:`~te_ep_torch.EpGroup` keywords."""
