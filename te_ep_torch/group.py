@@ -262,6 +262,11 @@ class EpGroup:
         self.checks: str = checks
         self._handles: "weakref.WeakValueDictionary[int, EpHandle]" = weakref.WeakValueDictionary()
         self._closed = False
+        # Groups over the same ranks with another max_tokens_per_rank (with_max_tokens), and the
+        # group whose sibling this is (None: a group the user made).
+        self._timeout = timeout
+        self._siblings: Dict[int, "EpGroup"] = {}
+        self._parent: Optional["EpGroup"] = None
 
     def __repr__(self) -> str:
         return (
@@ -285,6 +290,23 @@ class EpGroup:
     def closed(self) -> bool:
         """True once :meth:`shutdown` ran."""
         return self._closed
+
+    def with_max_tokens(self, max_tokens_per_rank: int) -> "EpGroup":
+        """This group's ranks and options with another ``max_tokens_per_rank``: what the handles
+        of a chunked step (:class:`~te_ep_torch.step.EpStep`, ``chunks``) are made on, each
+        chunk carrying at most that many tokens. Collective the first time for a value; the
+        group is kept, shared by the layers of this group, and shut down with it."""
+        self.check_open()
+        if max_tokens_per_rank == self.max_tokens_per_rank:
+            return self
+        sibling = self._siblings.get(max_tokens_per_rank)
+        if sibling is None or sibling.closed:
+            sibling = EpGroup(self.process_group, num_experts=self.num_experts, max_tokens_per_rank=max_tokens_per_rank,
+                              backend=self.backend, device=self.device, nccl_ep_mode=self.nccl_ep_mode,
+                              timeout=self._timeout, checks=self.checks)
+            sibling._parent = self
+            self._siblings[max_tokens_per_rank] = sibling
+        return sibling
 
     def worst_case_capacity(self, top_k: int, alignment: int = 1) -> int:
         """Receive rows that no routing can overflow (the default capacity)."""
@@ -477,9 +499,12 @@ class EpGroup:
         """
         if self._closed:
             return
+        for sibling in self._siblings.values():
+            sibling.shutdown()
         for handle in list(self._handles.values()):
             handle.destroy()
-        if self.backend == "nccl_ep":
+        # The NCCL EP groups of a torch group go together, a sibling's with its parent's.
+        if self.backend == "nccl_ep" and self._parent is None:
             _nccl_ep.release_group(self.group_name)
         self._closed = True
 

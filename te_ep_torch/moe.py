@@ -558,7 +558,9 @@ class MoE(nn.Module):
                 ``EpGroup.create_handle``).
             options: the same handle options as one :class:`~te_ep_torch.options.EpOptions`
                 (its ``capacity``, ``capacity_factor`` and ``overflow``), instead of those
-                keywords; ``checks`` stays the argument above.
+                keywords, and the step's ``chunks`` (set by the first call; the layer's
+                forward then runs N chunks whose communication overlaps the other chunks'
+                experts on CUDA); ``checks`` stays the argument above.
         """
         if ep_group.num_experts != self.num_experts:
             raise ValueError(
@@ -621,6 +623,9 @@ class MoE(nn.Module):
     def _experts_ep(self, tokens: Tensor) -> Tuple[RouterOutput, Tensor, Optional[Tensor]]:
         """(routing, combined expert output, the shared expert's output or None).
 
+        A chunked step (``EpOptions(chunks=N)``) runs on the communication stream too, with or
+        without ``overlap`` (its chunks overlap each other; docs/moe.md, "Chunked step").
+
         One control flow with and without overlap (``comm`` is ``None`` without): the same
         ops in the same order, so the autograd graph, and with it every result and gradient,
         is the same. With ``comm`` (docs/moe.md, "Overlap"), on the current stream:
@@ -640,7 +645,7 @@ class MoE(nn.Module):
         # The router's load statistics and aux loss run after the dispatch's launch (on_weights).
         combined, shared, routing = step.run(
             tokens, lambda on_select, on_weights: self.router(tokens, on_select=on_select, on_weights=on_weights),
-            self.experts, comm=comm_stream_for(tokens.device) if self.overlap else None,
+            self.experts, comm=comm_stream_for(tokens.device) if self.overlap or step.chunks > 1 else None,
             behind_dispatch=behind_dispatch, behind_combine=behind_combine)
         return routing, combined, shared
 

@@ -41,6 +41,16 @@ class EpOptions:
         capacity_factor: the receive rows as a multiplier (>= 1.0) of a rank's mean load
             (:func:`te_ep_torch.capacity.capacity_for_factor`); not with ``capacity``.
         overflow: ``"raise"`` or ``"drop"`` (:func:`te_ep_torch.capacity.drop_past_share`).
+
+    Step options:
+
+    Attributes:
+        chunks: split a step's tokens into this many chunks, each with handles of its own
+            (:class:`~te_ep_torch.step.EpStep`), so that on a communication stream one chunk's
+            dispatch and another's combine run while a third chunk's experts compute, in
+            forward and backward. ``1`` (default): one dispatch and one combine per step.
+            ``capacity`` and ``capacity_factor`` keep meaning the whole step's receive rows:
+            each chunk's handle gets its share (docs/moe.md, "Chunked step").
     """
 
     backend: str = "auto"
@@ -50,6 +60,7 @@ class EpOptions:
     capacity: Optional[int] = None
     capacity_factor: Optional[float] = None
     overflow: str = "raise"
+    chunks: int = 1
 
     def __post_init__(self) -> None:
         self.validate("EpOptions")
@@ -74,6 +85,9 @@ class EpOptions:
             raise ValueError(f"{what}: pass capacity (rows) or capacity_factor (a multiplier of the mean load), not "
                              f"both; got capacity={capacity!r}, capacity_factor={self.capacity_factor!r}")
         check_capacity_factor(self.capacity_factor, what)
+        chunks = self.chunks
+        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+            raise ValueError(f"{what}: chunks must be an int >= 1 (1: an unchunked step), got {chunks!r}")
 
     @classmethod
     def build(cls, what: str, **fields: Any) -> "EpOptions":

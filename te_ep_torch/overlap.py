@@ -4,9 +4,10 @@
 there after everything already queued on the caller's current stream, ``join`` makes the
 current stream wait for it. The event contract is exactly that fork and join: between
 them the current stream may run anything that does not read the launched work's outputs.
-The module functions :func:`launch`, :func:`join` and :func:`overlapped` take the stream
-or ``None`` (no overlap: the work runs at once, in place), so that a caller writes one
-control flow for both.
+When to fork and join is the EP step's (:class:`te_ep_torch.step.EpStep`, whose ``launch``
+and ``join`` take the stream or ``None``: no overlap, the work runs at once, in place, so
+that one control flow serves both). The module functions :func:`launch`, :func:`join` and
+:func:`overlapped` are deprecated (0.3) and go in 0.4.
 
 Memory safety with the caching allocator: a tensor made on one stream and used on the
 other is recorded on the stream that uses it (``Tensor.record_stream``), so its memory is
@@ -32,6 +33,7 @@ and the join, so a captured layer overlaps too. docs/moe.md, "Overlap".
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Dict, Iterable, Optional, Tuple, TypeVar
 
 import torch
@@ -94,40 +96,32 @@ def comm_stream_for(device: torch.device) -> Optional[CommStream]:
     return stream
 
 
-def _tensors(result: object) -> Tuple[Optional[Tensor], ...]:
-    """The tensors of a launched function's result: itself, or the tensor fields of a tuple
-    (a ``NamedTuple`` such as ``DispatchOutput`` included)."""
-    if isinstance(result, Tensor):
-        return (result,)
-    if isinstance(result, tuple):
-        return tuple(t for t in result if isinstance(t, Tensor))
-    raise TypeError(f"te_ep_torch.overlap: launched work must return a tensor or a tuple of tensors, got {type(result)}")
+def _deprecated(name: str, instead: str) -> None:
+    warnings.warn(f"te_ep_torch.overlap.{name} is deprecated and will be removed in 0.4: {instead}", FutureWarning,
+                  stacklevel=3)
 
 
 def launch(comm: Optional[CommStream], fn: Callable[[], T], inputs: Iterable[Optional[Tensor]]) -> T:
-    """``fn()`` on ``comm`` (:meth:`CommStream.launch`), or at once where ``comm`` is ``None``.
-
-    The result is not usable on the current stream before :func:`join`.
-    """
-    return fn() if comm is None else comm.launch(fn, inputs)
+    """Deprecated: :meth:`CommStream.launch` (``fn()`` at once where there is no stream), or
+    :class:`te_ep_torch.step.EpStep`, which owns when a layer's ops fork and join."""
+    _deprecated("launch", "call CommStream.launch, or let te_ep_torch.step.EpStep run the step")
+    from .step import launch as step_launch
+    return step_launch(comm, fn, inputs)
 
 
 def join(comm: Optional[CommStream], result: T) -> T:
-    """The join of :func:`launch`: the current stream waits for ``comm`` and the tensors of
-    ``result`` (a tensor or a tuple of tensors) are recorded there. Returns ``result``;
-    nothing to do where ``comm`` is ``None``."""
-    if comm is not None:
-        comm.join(_tensors(result))
-    return result
+    """Deprecated: :meth:`CommStream.join`, or :class:`te_ep_torch.step.EpStep`."""
+    _deprecated("join", "call CommStream.join, or let te_ep_torch.step.EpStep run the step")
+    from .step import join as step_join
+    return step_join(comm, result)
 
 
 def overlapped(comm: Optional[CommStream], fn: Callable[[], T], inputs: Iterable[Optional[Tensor]],
                meanwhile: Optional[Callable[[], object]] = None) -> Tuple[T, object]:
-    """``fn()`` on the communication stream while ``meanwhile()`` runs on the current one, then
-    the join: ``(fn's result, meanwhile's result or None)``. ``fn`` returns a tensor or a tuple
-    of tensors (its outputs, usable on the current stream afterwards); ``inputs`` as in
-    :meth:`CommStream.launch`. Without ``comm``: ``fn()``, then ``meanwhile()``, the same
-    calls in the same order."""
-    result = launch(comm, fn, inputs)
+    """Deprecated: ``fn()`` on the communication stream while ``meanwhile()`` runs on the
+    current one, then the join (``EpStep.run``'s ``behind_dispatch`` does this for a layer)."""
+    _deprecated("overlapped", "use te_ep_torch.step.EpStep.run(..., behind_dispatch=...)")
+    from .step import join as step_join, launch as step_launch
+    result = step_launch(comm, fn, inputs)
     side = meanwhile() if meanwhile is not None else None
-    return join(comm, result), side
+    return step_join(comm, result), side

@@ -12,11 +12,24 @@ communication: :class:`te_ep_torch.MoE`, the TorchTitan dispatcher, both transfo
 entries and the testing blocks. Two ways to call it:
 
 * :meth:`EpStep.run` -- dispatch, ``experts(rows, expert_counts)``, weighting, combine;
-* the parts, for a caller that runs work between them (``MoE`` starts the routing exchange
-  inside its router, TorchTitan calls its experts between ``dispatch`` and ``combine``):
-  :meth:`EpStep.handle_for`, :meth:`EpStep.prepare`, :meth:`EpStep.dispatch`,
-  :meth:`EpStep.combine`, each taking an optional communication stream
-  (:mod:`te_ep_torch.overlap`) and :meth:`EpStep.join`.
+* the parts, for a caller that runs work between them (TorchTitan calls its experts between
+  ``dispatch`` and ``combine``): :meth:`EpStep.handle_for`, :meth:`EpStep.prepare`,
+  :meth:`EpStep.dispatch`, :meth:`EpStep.combine`, each taking an optional communication
+  stream (:class:`te_ep_torch.overlap.CommStream`) and :meth:`EpStep.join`. (``MoE`` starts
+  the routing exchange inside its router through :meth:`EpStep.run`'s ``routing`` hooks.)
+
+The step owns where its work runs: with a communication stream, ``launch`` queues an op there
+after the current stream's work and ``join`` makes the current stream wait for it
+(:class:`~te_ep_torch.overlap.CommStream` holds the stream and its memory rules); without
+one, the same calls in the same order run at once.
+
+A chunked step (``EpOptions(chunks=N)``, :meth:`EpStep.run` only) splits the tokens into N
+chunks, each with its own handles (a handle holds one routing, and backward needs each
+chunk's) made on :meth:`EpGroup.with_max_tokens` ``(ceil(max_tokens_per_rank / N))``: every
+chunk's dispatch is queued on the communication stream, then per chunk the experts run as
+soon as its rows arrived and its combine is queued behind them, so chunk i+1's dispatch and
+chunk i's combine run under chunk i's and i+1's experts; backward overlaps the same way (an
+op's backward runs on the stream its forward ran on).
 
 Everything it calls is an autograd Function over registered ops (:mod:`te_ep_torch.autograd`),
 so the step traces under ``torch.compile`` and captures in a CUDA graph; handles are made
@@ -25,7 +38,7 @@ eagerly (collective), never while tracing or capturing.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, NamedTuple, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple, TypeVar, Union
 
 import torch
 from torch import Tensor
@@ -33,8 +46,12 @@ from torch import Tensor
 from .autograd import Fp8DispatchOutput, ep_combine, ep_dispatch, ep_dispatch_fp8
 from .group import EpGroup, EpHandle
 from .options import EpOptions
-from .overlap import CommStream, join, launch
 from .zones import weighted_for_combine
+
+if TYPE_CHECKING:
+    from .overlap import CommStream
+
+T = TypeVar("T")
 
 __all__ = ["Dispatched", "EpStep", "check_eager"]
 
@@ -49,6 +66,43 @@ def check_eager(name: str, dtype: torch.dtype, have, hint: str) -> None:
     if torch.compiler.is_compiling():
         raise RuntimeError(f"{name}: no te_ep handle for {dtype} tokens while torch.compile traces the layer "
                            f"(have {sorted(map(str, have))}); {hint}")
+
+
+def _tensors(result: object) -> Tuple[Optional[Tensor], ...]:
+    """The tensors of a launched function's result: itself, or the tensor fields of a tuple
+    (a ``NamedTuple`` such as ``DispatchOutput`` included)."""
+    if isinstance(result, Tensor):
+        return (result,)
+    if isinstance(result, tuple):
+        return tuple(t for t in result if isinstance(t, Tensor))
+    raise TypeError(f"te_ep_torch: launched work must return a tensor or a tuple of tensors, got {type(result)}")
+
+
+def launch(comm: Optional["CommStream"], fn: Callable[[], T], inputs: Iterable[Optional[Tensor]]) -> T:
+    """``fn()`` on ``comm`` (:meth:`CommStream.launch`: after the current stream's queued work;
+    ``inputs``, the tensors ``fn`` reads, are recorded there), or at once where ``comm`` is
+    ``None``. The result is not usable on the current stream before :func:`join`."""
+    return fn() if comm is None else comm.launch(fn, inputs)
+
+
+def join(comm: Optional["CommStream"], result: T) -> T:
+    """The join of :func:`launch`: the current stream waits for ``comm`` and the tensors of
+    ``result`` (a tensor or a tuple of tensors) are recorded there. Returns ``result``;
+    nothing to do where ``comm`` is ``None``."""
+    if comm is not None:
+        comm.join(_tensors(result))
+    return result
+
+
+def _deferred(bad: Optional[str], handle: EpHandle, op: Callable[[], T]) -> T:
+    """``op()``; where it fails and this rank's tokens were bad (``EpStep.bad_input``), that
+    message as a ``ValueError`` instead (the op failed on every rank: they agree on errors)."""
+    try:
+        return op()
+    except (RuntimeError, ValueError) as exc:
+        if bad is None:
+            raise
+        raise ValueError(f"{bad}\n(handle {handle.id} of group '{handle.group.group_name}')") from exc
 
 
 class Dispatched(NamedTuple):
@@ -83,7 +137,7 @@ class EpStep:
             giving it (where the experts' GEMM, hence its alignment, depends on the dtype).
         options: the handles' :class:`~te_ep_torch.options.EpOptions` (capacity,
             ``capacity_factor``, overflow, checks; the group carries backend, NCCL EP mode and
-            timeout).
+            timeout) and the step's ``chunks``.
         fp8: dispatch block-scaled FP8 (:func:`~te_ep_torch.ep_dispatch_fp8`) and dequantize
             the received rows to the tokens' dtype; combine and gradients stay in that dtype.
         name: how messages name the layer (e.g. ``"TeEpTokenDispatcher.dispatch"``).
@@ -124,11 +178,24 @@ class EpStep:
         self.hidden_option = hidden_option
         self.eager_hint = eager_hint
         self.lazy = lazy
-        self.handles: Dict[torch.dtype, EpHandle] = {}
+        # The handles of each token dtype, one per chunk.
+        self.chunk_handles: Dict[torch.dtype, List[EpHandle]] = {}
 
     def __repr__(self) -> str:
-        return (f"EpStep({self.name!r}, top_k={self.top_k}, hidden={self.hidden}, fp8={self.fp8}, "
-                f"handles={sorted(map(str, self.handles))}, group={self.group.group_name!r})")
+        chunks = f", chunks={self.chunks}" if self.chunks > 1 else ""
+        return (f"EpStep({self.name!r}, top_k={self.top_k}, hidden={self.hidden}, fp8={self.fp8}{chunks}, "
+                f"handles={sorted(map(str, self.chunk_handles))}, group={self.group.group_name!r})")
+
+    @property
+    def chunks(self) -> int:
+        """Chunks of a step (``options.chunks``; 1: unchunked)."""
+        return self.options.chunks
+
+    @property
+    def handles(self) -> Dict[torch.dtype, EpHandle]:
+        """The handle of each token dtype; of a chunked step, the first chunk's
+        (:attr:`chunk_handles` has them all)."""
+        return {dtype: handles[0] for dtype, handles in self.chunk_handles.items()}
 
     # ---- handles -----------------------------------------------------------------------
 
@@ -141,26 +208,47 @@ class EpStep:
         """The handle for tokens of ``dtype``, made now if missing (collective over the group),
         with ``options``' capacity and overflow (default: the step's) and the check mode
         ``checks`` (``None``: the group's). An existing handle is returned as it is."""
-        handle = self.handles.get(dtype)
-        if handle is not None:
-            return handle
+        handles = self.chunk_handles.get(dtype)
+        if handles is not None:
+            return handles[0]
         opts = options if options is not None else self.options
-        handle = self.group.create_handle(
+        if opts.chunks != self.chunks:
+            raise ValueError(f"{self.name}: options.chunks={opts.chunks}, but the layer's step has chunks={self.chunks} "
+                             "(one chunk count per layer)")
+        n = self.chunks
+        kwargs = opts.handle_kwargs()
+        group = self.group
+        if n > 1:
+            if n > group.max_tokens_per_rank:
+                raise ValueError(f"{self.name}: chunks={n} is more than {self.max_tokens_option}="
+                                 f"{group.max_tokens_per_rank}; chunks must be at most the tokens of a step")
+            # Each chunk carries at most ceil(max / n) tokens; capacity stays the step's receive
+            # rows, shared by the chunks (capacity_factor is a multiplier of a chunk's own load).
+            group = group.with_max_tokens(-(-group.max_tokens_per_rank // n))
+            if kwargs["capacity"] is not None:
+                kwargs["capacity"] = -(-kwargs["capacity"] // n)
+        handles = [group.create_handle(
             top_k=self.top_k, hidden=self.hidden, dtype=dtype, alignment=self.alignment(dtype),
-            dispatch_dtype=torch.float8_e4m3fn if self.fp8 else None, checks=checks, **opts.handle_kwargs())
-        self.handles[dtype] = handle
-        return handle
+            dispatch_dtype=torch.float8_e4m3fn if self.fp8 else None, checks=checks, **kwargs) for _ in range(n)]
+        self.chunk_handles[dtype] = handles
+        return handles[0]
 
     def handle_for(self, tokens: Tensor) -> EpHandle:
-        """The handle for ``tokens``' dtype; made now where missing and ``lazy`` (eagerly only)."""
-        handle = self.handles.get(tokens.dtype)
-        if handle is not None:
-            return handle
+        """The handle for ``tokens``' dtype (of a chunked step, the first chunk's); made now where
+        missing and ``lazy`` (eagerly only)."""
+        return self.handles_for(tokens)[0]
+
+    def handles_for(self, tokens: Tensor) -> List[EpHandle]:
+        """The handles for ``tokens``' dtype, one per chunk; made now where missing and ``lazy``."""
+        handles = self.chunk_handles.get(tokens.dtype)
+        if handles is not None:
+            return handles
         if not self.lazy:
             raise RuntimeError(f"{self.name}: no expert-parallel handle for {tokens.dtype} tokens (have "
-                               f"{sorted(map(str, self.handles))}); {self.eager_hint}")
-        check_eager(self.name, tokens.dtype, self.handles, self.eager_hint)
-        return self.add_handle(tokens.dtype)
+                               f"{sorted(map(str, self.chunk_handles))}); {self.eager_hint}")
+        check_eager(self.name, tokens.dtype, self.chunk_handles, self.eager_hint)
+        self.add_handle(tokens.dtype)
+        return self.chunk_handles[tokens.dtype]
 
     def bad_input(self, tokens: Tensor) -> Optional[str]:
         """What is wrong with ``tokens [T, H]`` for this step, or ``None``.
@@ -182,20 +270,27 @@ class EpStep:
 
     def destroy(self) -> None:
         """Releases the step's handles (the group stays)."""
-        for handle in self.handles.values():
-            handle.destroy()
-        self.handles = {}
+        for handles in self.chunk_handles.values():
+            for handle in handles:
+                handle.destroy()
+        self.chunk_handles = {}
 
     # ---- the step ----------------------------------------------------------------------
+
+    def _whole(self, what: str) -> None:
+        if self.chunks > 1:
+            raise RuntimeError(f"{self.name}: {what} runs an unchunked step; a step with chunks={self.chunks} runs "
+                               "through EpStep.run, which calls the experts of each chunk")
 
     def prepare(self, tokens: Tensor, topk_idx: Tensor) -> Tuple[Tensor, Tensor]:
         """The routing exchange alone (collective) for the dispatch of ``tokens``, started before
         the routing weights are known: ``(expert_counts, total)`` for :meth:`dispatch`'s
         ``prepared``."""
+        self._whole("EpStep.prepare")
         return self.handle_for(tokens).prepare(topk_idx)
 
     def dispatch(self, tokens: Tensor, topk_idx: Tensor, topk_weights: Tensor, *,
-                 prepared: Optional[Tuple[Tensor, Tensor]] = None, comm: Optional[CommStream] = None):
+                 prepared: Optional[Tuple[Tensor, Tensor]] = None, comm: Optional["CommStream"] = None):
         """Sends ``tokens [T, H]`` to the ranks of their experts (collective).
 
         ``topk_idx [T, K]`` global expert ids, ``topk_weights [T, K]`` (cast to float32,
@@ -205,36 +300,34 @@ class EpStep:
         A rank whose tokens do not fit (:meth:`bad_input`) raises that message (``ValueError``)
         once the op has failed on every rank.
         """
-        handle = self.handle_for(tokens)
-        bad = self.bad_input(tokens)
+        self._whole("EpStep.dispatch")
+        return self._dispatch(self.handle_for(tokens), self.bad_input(tokens), tokens, topk_idx, topk_weights,
+                              prepared, comm)
+
+    def _dispatch(self, handle: EpHandle, bad: Optional[str], tokens: Tensor, topk_idx: Tensor,
+                  topk_weights: Tensor, prepared, comm: Optional["CommStream"]):
         tokens = tokens.contiguous()
         topk_idx = topk_idx.contiguous()
         topk_weights = topk_weights.to(torch.float32).contiguous()
         op = ep_dispatch_fp8 if self.fp8 else ep_dispatch
-        try:
-            return launch(comm, lambda: op(handle, tokens, topk_idx, topk_weights, prepared=prepared),
-                          (tokens, topk_idx, topk_weights))
-        except (RuntimeError, ValueError) as exc:
-            if bad is None:
-                raise
-            raise ValueError(f"{bad}\n(handle {handle.id} of group '{handle.group.group_name}')") from exc
+        return _deferred(bad, handle, lambda: launch(
+            comm, lambda: op(handle, tokens, topk_idx, topk_weights, prepared=prepared), (tokens, topk_idx, topk_weights)))
 
-    def join(self, comm: Optional[CommStream], launched, tokens: Optional[Tensor] = None):
+    def join(self, comm: Optional["CommStream"], launched, tokens: Optional[Tensor] = None):
         """The current stream waits for ``launched`` (a :meth:`dispatch` or :meth:`combine`).
 
         A dispatch becomes a :class:`Dispatched` (``tokens``, the dispatched tokens, required
         then: their dtype and count); a combine's output is returned as it is."""
-        out = join(comm, launched)
         if tokens is None:
-            return out
-        if isinstance(out, Fp8DispatchOutput):
-            rows = out.dequantize(tokens.dtype)
-        else:
-            rows = out.tokens
-        handle = self.handles[tokens.dtype]
+            return join(comm, launched)
+        return self._joined(comm, launched, tokens, self.handle_for(tokens))
+
+    def _joined(self, comm: Optional["CommStream"], launched, tokens: Tensor, handle: EpHandle) -> Dispatched:
+        out = join(comm, launched)
+        rows = out.dequantize(tokens.dtype) if isinstance(out, Fp8DispatchOutput) else out.tokens
         return Dispatched(rows, out.expert_counts, out.weights, out.total, handle, tokens.shape[0])
 
-    def combine(self, expert_out: Tensor, dispatched: Dispatched, comm: Optional[CommStream] = None):
+    def combine(self, expert_out: Tensor, dispatched: Dispatched, comm: Optional["CommStream"] = None):
         """Weights the experts' rows by their routing weights (bounded by the rows in use; into
         a zero-copy handle's window) and sums them back to their tokens (collective): ``[T, H]``,
         on ``comm`` where given (usable after :meth:`join`)."""
@@ -242,7 +335,7 @@ class EpStep:
         return launch(comm, lambda: ep_combine(dispatched.handle, y, dispatched.num_tokens), (y,))
 
     def run(self, tokens: Tensor, routing, experts: Callable[[Tensor, Tensor], Tensor], *,
-            comm: Optional[CommStream] = None, behind_dispatch: Optional[Callable[[], object]] = None,
+            comm: Optional["CommStream"] = None, behind_dispatch: Optional[Callable[[], object]] = None,
             behind_combine: Optional[Callable[[object], object]] = None) -> Tuple[Tensor, object, object]:
         """The whole step: routing exchange, dispatch, ``experts(rows, expert_counts)``, weighting,
         combine. Returns ``(combined [T, H], side, routed)``.
@@ -255,21 +348,36 @@ class EpStep:
                 rest of the router) and ``on_weights(topk_idx, topk_weights)`` once the weights
                 are (the dispatch is launched there); its result comes back as ``routed``
                 (``None`` for a tuple).
-            experts: the layer's local experts on the received zones.
-            comm: the communication stream (:mod:`te_ep_torch.overlap`), or ``None``: the same
-                calls in the same order, at once.
+            experts: the layer's local experts on the received zones (called once per chunk).
+            comm: the communication stream (:class:`~te_ep_torch.overlap.CommStream`), or
+                ``None``: the same calls in the same order, at once.
             behind_dispatch, behind_combine: the caller's work on the current stream while the
                 dispatch (``behind_dispatch()``) and the combine (``behind_combine(its
                 result)``) run on ``comm``; ``side`` is the last one's result.
+
+        Chunked (``chunks`` > 1): the tokens and their routing are split into ``chunks`` parts
+        (``Tensor.tensor_split``: sizes differ by at most one), each dispatched on its own
+        handles; every dispatch is queued first, then per chunk: join, experts, combine queued;
+        the outputs are concatenated. Results equal the unchunked step's (the same rows meet
+        the same experts) unless a handle drops choices (``overflow="drop"`` drops per chunk).
         """
-        prepared, launched = [], []
+        handles = self.handles_for(tokens)
+        bad = self.bad_input(tokens)
+        n = len(handles)
+        parts = tokens.tensor_split(n) if n > 1 else (tokens,)
+        prepared: List[Tuple[Tensor, Tensor]] = []
+        launched: list = []
 
         def on_select(topk_idx: Tensor) -> None:
-            prepared.append(self.prepare(tokens, topk_idx))
+            idx = topk_idx.tensor_split(n) if n > 1 else (topk_idx,)
+            prepared.extend(_deferred(bad, h, lambda: h.prepare(i)) for h, i in zip(handles, idx))
 
         def on_weights(topk_idx: Tensor, topk_weights: Tensor) -> None:
-            launched.append(self.dispatch(tokens, topk_idx, topk_weights, prepared=prepared[0] if prepared else None,
-                                          comm=comm))
+            idx = topk_idx.tensor_split(n) if n > 1 else (topk_idx,)
+            w = topk_weights.tensor_split(n) if n > 1 else (topk_weights,)
+            for c in range(n):
+                launched.append(self._dispatch(handles[c], bad, parts[c], idx[c], w[c],
+                                               prepared[c] if prepared else None, comm))
 
         if callable(routing):
             routed = routing(on_select, on_weights)
@@ -279,8 +387,11 @@ class EpStep:
         if not launched:
             raise RuntimeError(f"{self.name}: the router returned without calling on_weights: nothing was dispatched")
         side = behind_dispatch() if behind_dispatch is not None else None
-        d = self.join(comm, launched[0], tokens)
-        combined = self.combine(experts(d.rows, d.expert_counts), d, comm)
+        combined = []
+        for c in range(n):
+            d = self._joined(comm, launched[c], parts[c], handles[c])
+            combined.append(self.combine(experts(d.rows, d.expert_counts), d, comm))
         if behind_combine is not None:
             side = behind_combine(side)
-        return self.join(comm, combined), side, routed
+        outs = [join(comm, y) for y in combined]
+        return (outs[0] if n == 1 else torch.cat(outs)), side, routed

@@ -245,21 +245,25 @@ def test_dcp_round_trip_ep2_to_ep1():
 # ---- compile with expert parallelism ----------------------------------------------------------
 
 
-def _worker_compile(ctx, dtype: str = "float32") -> None:
+def _worker_compile(ctx, dtype: str = "float32", chunks: int = 1) -> None:
+    """A compiled layer (``fullgraph=True``; its step in ``chunks`` chunks) gives the eager
+    unchunked layer's results, in one graph."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
+    from te_ep_torch import EpOptions
     from te_ep_torch.parallel import ExpertParallel
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device, dt = torch.device(ctx.device), getattr(torch, dtype)
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
     models = []
-    for _ in range(2):
+    for n in (1, chunks):
         # alignment None: 16 rows where the experts run torch._grouped_mm (CUDA bf16), else 1.
         moe = make_moe(seed=5, shared_expert_ffn_hidden=8, aux_loss_coef=0.01, dtype=dt).to(device)
-        parallelize_module(moe, mesh, ExpertParallel(max_tokens_per_rank=12, backend=ctx.backend))
+        parallelize_module(moe, mesh, ExpertParallel(max_tokens_per_rank=12,
+                                                     options=EpOptions(backend=ctx.backend, chunks=n)))
         moe.router.process_group = dist.group.WORLD  # global aux loss: a functional all-reduce in the graph
         models.append(moe)
     eager, to_compile = models
@@ -286,11 +290,14 @@ def _worker_compile(ctx, dtype: str = "float32") -> None:
 
 
 def test_compile_fullgraph_with_expert_parallel():
-    run_workers(_worker_compile, 2, timeout=240)
+    """On CPU the compiled layer runs a chunked step (tests/test_moe_chunks.py): the unchunked
+    step is its one-chunk case, compiled on GPUs below."""
+    run_workers(_worker_compile, 2, timeout=480, chunks=2)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("chunks", [1, 2])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_compile_fullgraph_with_expert_parallel_gpu(dtype):
+def test_compile_fullgraph_with_expert_parallel_gpu(dtype, chunks):
     need_gpus(2)
-    run_workers(_worker_compile, 2, timeout=400, device="cuda", dtype=dtype)
+    run_workers(_worker_compile, 2, timeout=400, device="cuda", dtype=dtype, chunks=chunks)
