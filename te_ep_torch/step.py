@@ -30,7 +30,7 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from .autograd import Fp8DispatchOutput, ep_combine, ep_dispatch, ep_dispatch_fp8
+from .ops.comm import Fp8DispatchOutput, ep_combine, ep_dispatch, ep_dispatch_fp8
 from .group import EpGroup, EpHandle
 from .options import EpOptions
 from .overlap import CommStream, join, launch
