@@ -19,9 +19,10 @@ The ops themselves are declared in ``csrc/library.cpp``; their contract is ``doc
 
 from __future__ import annotations
 
-from ._library import load_library
-from . import comm, fp8, permute, watchdog, zones
-from .comm import (
+from ._library import load_library  # noqa: F401  (te_ep_torch.ops.load_library, as before the split)
+# Every family module, so that importing this package registers every fake kernel and autograd formula.
+from . import comm, fp8, permute, watchdog, zones  # noqa: F401
+from .comm import (  # noqa: F401  (handle_config_error: public, not in __all__, as before)
     DispatchOutput,
     Fp8DispatchOutput,
     check_handle,
@@ -47,7 +48,7 @@ from .comm import (
     worst_case_capacity,
 )
 from .fp8 import FP8_BLOCK, dequantize_fp8, quantize_fp8
-from .watchdog import watchdog_state
+from .watchdog import watchdog_state  # noqa: F401  (public, not in __all__, as before)
 from .zones import scale_into_window
 
 __all__ = [
