@@ -11,9 +11,17 @@ Quick start::
 
 from ._version import __version__
 from . import ops
-from .autograd import DispatchOutput, Fp8DispatchOutput, ep_combine, ep_dispatch, ep_dispatch_fp8
+from .ops import (
+    DispatchOutput,
+    Fp8DispatchOutput,
+    dequantize_fp8,
+    ep_combine,
+    ep_dispatch,
+    ep_dispatch_fp8,
+    quantize_fp8,
+)
 from .group import BACKENDS, CHECKS, DEFAULT_NCCL_EP_MODE, NCCL_EP_MODES, OVERFLOWS, EpGroup, EpHandle, HandleConfig
-from .ops import dequantize_fp8, quantize_fp8
+from . import autograd  # noqa: F401  (the compatibility module: te_ep_torch.autograd.ep_dispatch etc.)
 from . import permutation
 from . import capacity, moe, options, overlap, parallel, step, zones
 from .options import EpOptions

@@ -3,8 +3,8 @@
 Registered once, when the module is imported (``te_ep_torch.permutation``
 imports it, and ``import te_ep_torch`` imports that), and only where
 ``torch.distributed`` is available. The ops' Python API is in
-``permutation.py``, their fake kernels in ``ops.py``, their autograd in
-``autograd.py``.
+``permutation.py``, their fake kernels and autograd formulas in
+``ops/permute.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 import torch
 
 # Loads the op library and registers the fake kernels that the rules' global shapes come from.
-from . import ops as _fakes  # noqa: F401
+from .ops import permute as _fakes  # noqa: F401
 
 
 # Placements per mesh dim: every tensor with a token/row dim is Shard(0) (each rank

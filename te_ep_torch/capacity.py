@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import Tensor
 
-from . import ops
+from .ops.comm import worst_case_capacity as _worst_case_capacity
 
 if TYPE_CHECKING:  # the group imports this module
     from .group import EpGroup
@@ -44,7 +44,7 @@ def worst_case(ep_size: int, max_tokens_per_rank: int, top_k: int, num_local_exp
     """Receive rows that no routing can overflow: every token of every rank sends
     ``min(top_k, num_local_experts)`` choices to this rank's experts, plus every zone's padding
     (the default capacity; ``EpGroup.worst_case_capacity``)."""
-    return ops.worst_case_capacity(ep_size, max_tokens_per_rank, top_k, num_local_experts, alignment)
+    return _worst_case_capacity(ep_size, max_tokens_per_rank, top_k, num_local_experts, alignment)
 
 
 def nccl_ep_capacity_floor(max_tokens_per_rank: int) -> int:

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _agreement, _nccl_ep, capacity as _capacity, ops
+from . import _agreement, _nccl_ep, capacity as _capacity
+from .ops import comm, watchdog
 # Moved to te_ep_torch.capacity (0.4.0); kept importable from here.
 from .capacity import capacity_for_factor, check_capacity_factor, nccl_ep_capacity_floor  # noqa: F401
 from .capacity import _is_power_of_two, _old_fraction_rows
@@ -463,14 +464,14 @@ class EpGroup:
                 fitted = self.worst_case_capacity(top_k, alignment)
                 if self.backend == "nccl_ep":
                     fitted = max(fitted, nccl_ep_capacity_floor(self.max_tokens_per_rank))
-            error = ops.handle_config_error(
+            error = comm.handle_config_error(
                 self.group_name, self.backend, self.num_experts, self.max_tokens_per_rank, top_k, hidden,
                 fitted if fitted is not None else 0, alignment, dtype, self.device, self.nccl_ep_mode,
                 dispatch_dtype, self.timeout_ms, checks)
             if error:
                 raise ValueError(error)
             if self.backend == "nccl_ep":
-                ops.watchdog_state()  # a bad $TE_EP_WATCHDOG raises here, agreed like any argument error
+                watchdog.watchdog_state()  # a bad $TE_EP_WATCHDOG raises here, agreed like any argument error
             return fitted
 
         # Collective: every rank validates, then all agree on the handle's configuration, the
@@ -538,7 +539,7 @@ class EpHandle:
     def __init__(self, group: EpGroup, config: HandleConfig) -> None:
         self.group = group
         self.config = config
-        self.id, self.handle_mem = ops.create_handle(
+        self.id, self.handle_mem = comm.create_handle(
             group.group_name,
             group.backend,
             group.num_experts,
@@ -566,7 +567,7 @@ class EpHandle:
         self.dropped = torch.zeros(group.num_experts, dtype=torch.int64, device=group.device)
         self._generation = 0
         self._alive = True
-        self.mode, self.mode_reason, self._window_bytes, self._handle_mem_bytes = ops.handle_info(self.id)
+        self.mode, self.mode_reason, self._window_bytes, self._handle_mem_bytes = comm.handle_info(self.id)
         _log_mode_once(group, self)
 
     def __repr__(self) -> str:
@@ -611,7 +612,7 @@ class EpHandle:
         """The check mode the handle runs (docs/ops.md, "Check modes"): its ``checks``
         (``"local"``, ``"device"`` or ``"synchronous"``) on ``nccl_ep``; ``"synchronous"`` on the
         reference backend, which raises in the op on every rank whatever was asked."""
-        return ops.check_mode(self.id)
+        return comm.check_mode(self.id)
 
     def check(self) -> None:
         """Raises an error an earlier step recorded that no op has raised yet: in the
@@ -621,7 +622,7 @@ class EpHandle:
         it where the training loop synchronizes anyway (e.g. when it reads the loss), or after
         a CUDA graph's replay."""
         if self._alive:
-            ops.check_handle(self.id)
+            comm.check_handle(self.id)
 
     def combine_buffer(self) -> Optional[Tensor]:
         """Zero-copy mode: the ``[capacity, hidden]`` tensor that combine reads from.
@@ -634,17 +635,16 @@ class EpHandle:
         reads any tensor directly.
         """
         self.group.check_open()
-        return ops.combine_buffer(self.id)
+        return comm.combine_buffer(self.id)
 
     def prepare(self, topk_idx: Tensor) -> Tuple[Tensor, Tensor]:
         """Exchanges this step's routing (collective).
 
         Returns ``(expert_counts, total)``: rows per local expert zone (alignment
         padding included, int32 ``[E_local]``) and their sum (int32 ``[1]``), on device.
+        :func:`te_ep_torch.ops.ep_prepare` of this handle.
         """
-        handle_id, key = self.op_ids()
-        return ops.prepare(self.begin_step(topk_idx), self.handle_mem, self.group.group_name, handle_id,
-                           self.group.num_local_experts, key)
+        return comm.ep_prepare(self, topk_idx)
 
     def begin_step(self, topk_idx: Tensor) -> Tensor:
         """What every prepare of a step does before its op (``prepare`` and ``ep_dispatch``
@@ -663,7 +663,7 @@ class EpHandle:
         """Releases the handle (idempotent)."""
         if self._alive:
             self._alive = False
-            ops.destroy_handle(self.id)
+            comm.destroy_handle(self.id)
 
 
 def _log_mode_once(group: EpGroup, handle: EpHandle) -> None:

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from ._dtensor_rules import local_tensor as _local
 from .group import EpGroup, EpHandle
-from .ops import FP8_BLOCK, dequantize_fp8, quantize_fp8
+from .ops.fp8 import FP8_BLOCK, dequantize_fp8, quantize_fp8
 from .options import EpOptions
 from .overlap import comm_stream_for
 from .permutation import permute, unpermute, worst_case_capacity

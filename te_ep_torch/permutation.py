@@ -9,8 +9,8 @@ fake kernels for ``torch.compile``, autograd formulas and DTensor sharding
 rules; docs/permutation.md is the contract.
 
 This module is the Python API (defaults, argument checks, :class:`PermuteMap`).
-The rest follows the scheme of the communication ops: fake kernels in
-``ops.py``, autograd in ``autograd.py``, and the DTensor rules in
+The ops' fake kernels and autograd formulas are in :mod:`te_ep_torch.ops.permute`
+(the permutation family of :mod:`te_ep_torch.ops`), the DTensor rules in
 ``_dtensor_rules.py``; importing this module registers all of them.
 """
 
@@ -22,9 +22,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-# Registrations of the permutation ops: fake kernels (ops, which also loads the op
-# library), autograd formulas and DTensor rules.
-from . import _dtensor_rules, autograd, ops  # noqa: F401
+# Registrations of the permutation ops: fake kernels and autograd formulas (ops.permute;
+# importing it loads the op library) and DTensor rules.
+from . import _dtensor_rules  # noqa: F401
+from .ops import permute as _permute_registrations  # noqa: F401
 from ._loader import load_library  # noqa: F401  (importable from here before the split)
 
 __all__ = [

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, NamedTuple, Op
 import torch
 from torch import Tensor
 
-from .autograd import Fp8DispatchOutput, ep_combine, ep_dispatch, ep_dispatch_fp8
+from .ops.comm import Fp8DispatchOutput, ep_combine, ep_dispatch, ep_dispatch_fp8
 from .group import EpGroup, EpHandle
 from .options import EpOptions
 from .zones import weighted_for_combine

@@ -15,12 +15,13 @@ in use, summed from the counts on the device (no host sync; capturable; traceabl
 * :func:`expert_ffn`: the expert FFN of ``te_ep_torch.MoE``, the TorchTitan experts and the
   transformers experts, built from those;
 * :func:`weighted_for_combine`: the weighting, written straight into the combine window
-  of a zero-copy handle.
+  of a zero-copy handle (:func:`te_ep_torch.ops.scale_into_window`).
 
 Rows past the zones are never read or written: their content is unspecified, in the
 outputs and in the gradients. The ops that consume these buffers (``combine``,
 ``dispatch``'s backward, ``unpermute``) read only rows that routing filled. docs/ops.md,
-"Zone ops", has the contract.
+"Zone ops", has the contract. The zone ops' fake kernels and autograd formulas are in
+:mod:`te_ep_torch.ops.zones`.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import autograd as _autograd  # noqa: F401  (registers the zone ops' autograd formulas)
-from . import ops as _ops  # noqa: F401  (loads the library and the fake kernels)
+# Loads the op library and registers the zone ops' fake kernels and autograd formulas.
+from .ops.zones import scale_into_window
 
 __all__ = ["GATES", "expert_ffn", "grouped_linear", "weighted_for_combine", "zone_bias", "zone_glu", "zone_scale"]
 
@@ -150,33 +151,11 @@ def expert_ffn(
     return y
 
 
-class _ScaleIntoWindow(torch.autograd.Function):
-    """:func:`zone_scale` written into a zero-copy handle's combine window (which combine
-    reads in place). Same values and gradients; combine consumes the window, so the
-    product is not saved."""
-
-    @staticmethod
-    def forward(ctx, y: Tensor, weights: Tensor, counts: Tensor, handle) -> Tensor:
-        window = handle.combine_buffer()
-        torch.ops.te_ep.zone_scale_into(y, weights, counts, window)
-        ctx.save_for_backward(y, weights, counts)
-        return window
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        y, weights, counts = ctx.saved_tensors
-        grad_y, grad_w = torch.ops.te_ep.zone_scale_bwd(grad.contiguous(), y, weights, counts)
-        return grad_y, grad_w, None, None
-
-
 def weighted_for_combine(y: Tensor, weights: Tensor, counts: Tensor, handle=None) -> Tensor:
     """The expert rows weighted by their routing scores, ready for :func:`~te_ep_torch.ep_combine`.
 
     With a zero-copy ``handle`` (eager) and rows of the window's shape and dtype, written
     into its combine window, which combine then reads without a copy; otherwise (other
-    modes, under ``torch.compile``) a new tensor, which combine checks as any input."""
-    if handle is not None and handle.mode == "zero_copy" and not torch.compiler.is_compiling():
-        cfg = handle.config
-        if tuple(y.shape) == (cfg.capacity, cfg.hidden) and y.dtype == cfg.dtype:
-            return _ScaleIntoWindow.apply(y, weights, counts, handle)
-    return zone_scale(y, weights, counts)
+    modes, under ``torch.compile``) a new tensor, which combine checks as any input.
+    One call of :func:`te_ep_torch.ops.scale_into_window`."""
+    return scale_into_window(y, weights, counts, handle)

@@ -1,5 +1,5 @@
-"""The layout rules of csrc/ (csrc/README.md) and docs/ops.md's per-op map, read from the
-sources: no build needed.
+"""The layout rules of csrc/ (csrc/README.md) and docs/ops.md's per-op map, and where the Python
+side of each op family sits (te_ep_torch/ops/<family>.py), read from the sources: no build needed.
 
 The rule that matters most: a file in a family's core/ folder is torch-free. It includes no
 torch, ATen, c10, caffe2, pybind11 or Python header, and of the project's headers only ones
@@ -8,6 +8,7 @@ in a core/ folder, so no torch header reaches it through a project header either
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -207,3 +208,112 @@ def test_per_op_map_names_files_that_exist():
                     missing.append(f"{row[0]}: {path}")
     assert not missing, "paths in docs/ops.md's per-op map (C++ from csrc/, the rest from the root):\n" + "\n".join(
         missing)
+
+
+# ---- the Python side: each op's fake kernel and autograd formula in its family's module -----------
+# te_ep_torch/ops/ has one module per csrc/ family; the map names the module of each fake kernel
+# and registered autograd formula. Read from the sources (ast), like the rest of this file.
+
+PACKAGE = CSRC.parent / "te_ep_torch"
+# csrc/ family -> its Python module; the nccl_ep family's private ops are called from
+# te_ep_torch/_nccl_ep.py and have neither fakes nor autograd.
+PY_FAMILY = {family: f"te_ep_torch/ops/{family}.py" for family in ("comm", "fp8", "permute", "zones", "watchdog")}
+
+
+def _callee(call: ast.Call) -> str:
+    """The last name of what `call` calls: `register_fake` of `torch.library.register_fake(...)`."""
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+
+
+def _registrations() -> tuple[dict, dict]:
+    """Where the sources register te_ep fakes and autograd formulas:
+    ``({op: [(file, function)]}, {op: [file]})``, file relative to the repository root. A fake is a
+    function decorated with ``torch.library.register_fake("te_ep::<op>")`` or with
+    ``_comm_fake("<op>")`` (ops/comm.py's registrar); a formula is a
+    ``torch.library.register_autograd("te_ep::<op>", ...)`` call."""
+    fakes: dict = {}
+    formulas: dict = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = str(path.relative_to(CSRC.parent))
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef):
+                for dec in node.decorator_list:
+                    if not (isinstance(dec, ast.Call) and dec.args and isinstance(dec.args[0], ast.Constant)):
+                        continue
+                    name = dec.args[0].value
+                    if _callee(dec) == "register_fake" and name.startswith("te_ep::"):
+                        fakes.setdefault(name[len("te_ep::"):], []).append((rel, node.name))
+                    elif _callee(dec) == "_comm_fake":
+                        fakes.setdefault(name, []).append((rel, node.name))
+            elif (isinstance(node, ast.Call) and _callee(node) == "register_autograd" and node.args
+                  and isinstance(node.args[0], ast.Constant) and node.args[0].value.startswith("te_ep::")):
+                formulas.setdefault(node.args[0].value[len("te_ep::"):], []).append(rel)
+    return fakes, formulas
+
+
+def _family(row: list[str]) -> str:
+    """The csrc/ family of a map row: the folder of its C++ adapter."""
+    return row[2].split("`")[1].split("/")[0]
+
+
+def test_fakes_sit_in_the_family_module_the_map_names():
+    fakes, _ = _registrations()
+    assert fakes, "no fake kernels found under te_ep_torch/"
+    rows = {row[0].strip("`"): row for row in _map_rows()}
+    wrong = [f"{op}: fake kernels registered in {sorted(fakes[op])} but the op is not in the map"
+             for op in sorted(set(fakes) - set(rows))]
+    for op, row in rows.items():
+        named = re.fullmatch(r"`(\w+)` \(`([\w./]+\.py)`\)", row[5])
+        if op not in fakes:
+            if not row[5].startswith("none"):
+                wrong.append(f"{op}: the map names the fake {row[5]}, the sources register none")
+            continue
+        if named is None:
+            wrong.append(f"{op}: the map's fake cell must be `function` (`te_ep_torch/ops/<family>.py`); "
+                         f"it says {row[5]}; the sources register {fakes[op]}")
+            continue
+        function, file = named.groups()
+        if fakes[op] != [(file, function)]:
+            wrong.append(f"{op}: the map says {function} in {file}; the sources register {fakes[op]}")
+        family_module = PY_FAMILY.get(_family(row))
+        if file != family_module:
+            wrong.append(f"{op}: its fake is in {file}, not in its family's module {family_module} "
+                         f"(the C++ adapter is in csrc/{_family(row)}/)")
+    assert not wrong, "fake kernels against docs/ops.md's per-op map:\n" + "\n".join(wrong)
+
+
+def test_registered_autograd_sits_in_the_family_module_the_map_names():
+    _, formulas = _registrations()
+    assert formulas, "no register_autograd calls found under te_ep_torch/"
+    rows = {row[0].strip("`"): row for row in _map_rows()}
+    wrong = [f"{op}: autograd registered in {formulas[op]} but the op is not in the map"
+             for op in sorted(set(formulas) - set(rows))]
+    for op, row in rows.items():
+        named = re.match(r"`register_autograd` \(`([\w./]+\.py)`\)", row[6])
+        if op not in formulas:
+            if named is not None:
+                wrong.append(f"{op}: the map names a registered formula, the sources register none")
+            continue
+        if named is None:
+            wrong.append(f"{op}: the map's autograd cell must start `register_autograd` (`<file>`); it says "
+                         f"{row[6]}; the sources register it in {formulas[op]}")
+            continue
+        if formulas[op] != [named.group(1)]:
+            wrong.append(f"{op}: the map says {named.group(1)}; the sources register it in {formulas[op]}")
+        if named.group(1) != PY_FAMILY.get(_family(row)):
+            wrong.append(f"{op}: its formula is in {named.group(1)}, not in its family's module "
+                         f"{PY_FAMILY.get(_family(row))}")
+    assert not wrong, "registered autograd formulas against docs/ops.md's per-op map:\n" + "\n".join(wrong)
+
+
+def test_every_family_module_is_imported_by_the_ops_package():
+    """``import te_ep_torch.ops`` registers every fake and formula: its __init__ imports each module."""
+    init = ast.parse((PACKAGE / "ops" / "__init__.py").read_text())
+    imported = {alias.name for node in ast.walk(init) if isinstance(node, ast.ImportFrom) and node.level == 1
+                and node.module is None for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(init)
+                 if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module}
+    modules = {p.stem for p in (PACKAGE / "ops").glob("*.py") if p.stem != "__init__"}
+    assert modules <= imported, f"te_ep_torch/ops/__init__.py does not import {sorted(modules - imported)}"

@@ -55,7 +55,7 @@ from torchtitan.models.common.moe import GroupedExperts
 from ..._dtensor_rules import local_tensor as _local
 from ...group import DEFAULT_NCCL_EP_MODE, EpHandle
 from ...moe import GROUPED_MM_ALIGNMENT
-from ...ops import FP8_BLOCK
+from ...ops.fp8 import FP8_BLOCK
 from ...options import EpOptions
 from ...parallel import ep_group_for
 from ...step import Dispatched, EpStep, check_eager
