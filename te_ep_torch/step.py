@@ -3,7 +3,7 @@
 :class:`EpStep` owns what happens around a layer's experts when tokens travel over an
 :class:`~te_ep_torch.EpGroup`: its handles (one per token dtype), the routing exchange
 (``prepare``), the dispatch in the tokens' dtype or in block-scaled FP8, the glue between
-the receive buffer and combine (:func:`te_ep_torch.zones.weighted_for_combine`: the routing
+the receive buffer and combine (:func:`te_ep_torch.ops.zones.scale_into_window`: the routing
 weights applied to the rows in use, written into a zero-copy handle's window), the combine,
 and the errors that a rank's bad batch defers until every rank has entered the op.
 
@@ -31,8 +31,9 @@ soon as its rows arrived and its combine is queued behind them, so chunk i+1's d
 chunk i's combine run under chunk i's and i+1's experts; backward overlaps the same way (an
 op's backward runs on the stream its forward ran on).
 
-Everything it calls is an autograd Function over registered ops (:mod:`te_ep_torch.autograd`),
-so the step traces under ``torch.compile`` and captures in a CUDA graph; handles are made
+Everything it calls is an autograd Function over registered ops, each in its op family's
+module (:mod:`te_ep_torch.ops.comm`: prepare, dispatch, combine; :mod:`te_ep_torch.ops.zones`:
+the weighting), so a forward reads ``moe -> step -> ops.<family>`` and the step traces under ``torch.compile`` and captures in a CUDA graph; handles are made
 eagerly (collective), never while tracing or capturing.
 """
 
@@ -43,10 +44,10 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, NamedTuple, Op
 import torch
 from torch import Tensor
 
-from .ops.comm import Fp8DispatchOutput, ep_combine, ep_dispatch, ep_dispatch_fp8
 from .group import EpGroup, EpHandle
+from .ops.comm import Fp8DispatchOutput, ep_combine, ep_dispatch, ep_dispatch_fp8, ep_prepare
+from .ops.zones import scale_into_window
 from .options import EpOptions
-from .zones import weighted_for_combine
 
 if TYPE_CHECKING:
     from .overlap import CommStream
@@ -287,7 +288,7 @@ class EpStep:
         the routing weights are known: ``(expert_counts, total)`` for :meth:`dispatch`'s
         ``prepared``."""
         self._whole("EpStep.prepare")
-        return self.handle_for(tokens).prepare(topk_idx)
+        return ep_prepare(self.handle_for(tokens), topk_idx)
 
     def dispatch(self, tokens: Tensor, topk_idx: Tensor, topk_weights: Tensor, *,
                  prepared: Optional[Tuple[Tensor, Tensor]] = None, comm: Optional["CommStream"] = None):
@@ -331,7 +332,7 @@ class EpStep:
         """Weights the experts' rows by their routing weights (bounded by the rows in use; into
         a zero-copy handle's window) and sums them back to their tokens (collective): ``[T, H]``,
         on ``comm`` where given (usable after :meth:`join`)."""
-        y = weighted_for_combine(expert_out, dispatched.weights, dispatched.expert_counts, dispatched.handle)
+        y = scale_into_window(expert_out, dispatched.weights, dispatched.expert_counts, dispatched.handle)
         return launch(comm, lambda: ep_combine(dispatched.handle, y, dispatched.num_tokens), (y,))
 
     def run(self, tokens: Tensor, routing, experts: Callable[[Tensor, Tensor], Tensor], *,
@@ -370,7 +371,7 @@ class EpStep:
 
         def on_select(topk_idx: Tensor) -> None:
             idx = topk_idx.tensor_split(n) if n > 1 else (topk_idx,)
-            prepared.extend(_deferred(bad, h, lambda: h.prepare(i)) for h, i in zip(handles, idx))
+            prepared.extend(_deferred(bad, h, lambda: ep_prepare(h, i)) for h, i in zip(handles, idx))
 
         def on_weights(topk_idx: Tensor, topk_weights: Tensor) -> None:
             idx = topk_idx.tensor_split(n) if n > 1 else (topk_idx,)
