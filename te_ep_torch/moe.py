@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from ._dtensor_rules import local_tensor as _local
 from .group import EpGroup, EpHandle
 from .ops import FP8_BLOCK, dequantize_fp8, quantize_fp8
-from .options import EpOptions
+from .options import UNSET, EpOptions
 from .overlap import comm_stream_for
 from .permutation import permute, unpermute, worst_case_capacity
 from .step import EpStep
@@ -527,10 +527,10 @@ class MoE(nn.Module):
         ep_group: EpGroup,
         *,
         dtype: Optional[torch.dtype] = None,
-        capacity: Optional[int] = None,
-        capacity_factor: Optional[float] = None,
+        capacity: Optional[int] = UNSET,
+        capacity_factor: Optional[float] = UNSET,
         checks: Optional[str] = None,
-        overflow: str = "raise",
+        overflow: str = UNSET,
         options: Optional[EpOptions] = None,
     ) -> None:
         """Dispatches tokens over ``ep_group`` from now on (collective: creates a handle).
@@ -545,20 +545,21 @@ class MoE(nn.Module):
             dtype: dtype of the tokens this layer will see (the compute dtype, e.g.
                 bfloat16 under an FSDP mixed-precision policy); default: the experts'
                 parameter dtype. Call again with another dtype to add a handle.
-            capacity: receive rows per rank; ``None`` (and no ``capacity_factor``) = the
-                worst case (``EpGroup.worst_case_capacity``), which no routing can overflow.
-            capacity_factor: the receive rows as a multiplier (>= 1.0, typically 1.0 to
-                2.0) of a rank's mean load, ``top_k * max_tokens_per_rank``, plus zone
-                padding (``EpGroup.capacity_for_factor``); not with ``capacity``.
             checks: the handle's check mode (``EpGroup``'s ``checks``); ``None``: the
                 group's. The group carries ``nccl_ep_mode`` and ``timeout``.
-            overflow: what a step that needs more rows than the capacity does:
-                ``"raise"`` (``capacity overflow`` on every rank) or ``"drop"`` (the choices
-                past each expert's share are dropped and counted;
-                ``EpGroup.create_handle``).
-            options: the same handle options as one :class:`~te_ep_torch.options.EpOptions`
-                (its ``capacity``, ``capacity_factor`` and ``overflow``), instead of those
-                keywords; ``checks`` stays the argument above.
+            options: the handle options as one :class:`~te_ep_torch.options.EpOptions`, e.g.
+                ``options=te.EpOptions(capacity_factor=1.25, overflow="drop")``: its ``capacity``
+                (receive rows per rank; ``None`` with no ``capacity_factor``: the worst case,
+                ``EpGroup.worst_case_capacity``, which no routing can overflow),
+                ``capacity_factor`` (the receive rows as a multiplier >= 1.0, typically 1.0 to
+                2.0, of a rank's mean load ``top_k * max_tokens_per_rank``, plus zone padding;
+                ``EpGroup.capacity_for_factor``) and ``overflow`` (what a step that needs more
+                rows than the capacity does: ``"raise"``, ``capacity overflow`` on every rank, or
+                ``"drop"``, the choices past each expert's share dropped and counted;
+                ``EpGroup.create_handle``). Its group fields (``backend``, ...) are not read here
+                (``ep_group`` has its own), and ``checks`` stays the argument above.
+            capacity, capacity_factor, overflow: deprecated (``FutureWarning``; removed in 0.4):
+                the same fields of ``options``, one keyword each.
         """
         if ep_group.num_experts != self.num_experts:
             raise ValueError(
