@@ -26,7 +26,7 @@ from .group import EpGroup, EpHandle
 from .ops import FP8_BLOCK, dequantize_fp8, quantize_fp8
 from .options import UNSET, EpOptions
 from .overlap import comm_stream_for
-from .permutation import permute, unpermute, worst_case_capacity
+from .permutation import permute, permute_capacity, unpermute
 from .step import EpStep
 from .zones import expert_ffn, zone_scale
 
@@ -607,7 +607,7 @@ class MoE(nn.Module):
 
     def _experts_local(self, tokens: Tensor, routing: RouterOutput) -> Tensor:
         alignment = self.zone_alignment(tokens.device, tokens.dtype)
-        capacity = worst_case_capacity(tokens.shape[0], self.top_k, self.num_experts, alignment)
+        capacity = permute_capacity(tokens.shape[0], self.top_k, self.num_experts, alignment)
         rows, row_weights, perm_map = permute(
             _Fp8RoundTrip.apply(tokens) if self.dispatch_dtype is not None else tokens,
             routing.topk_idx,
