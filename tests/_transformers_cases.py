@@ -483,9 +483,9 @@ def case_registry_parity(ctx, *, family: str, ep: Optional[int] = None, dtype: s
     torch_dtype = _DTYPES[dtype]
     device = torch.device(ctx.device)
     if options is not None:
-        ep = {k: v for k, v in options.items() if k in EP_FIELDS}
+        ep_fields = {k: v for k, v in options.items() if k in EP_FIELDS}
         register_te_ep(impl, **{k: v for k, v in options.items() if k not in EP_FIELDS},
-                       options=EpOptions(**dict(ep, backend=ctx.backend)))
+                       options=EpOptions(**dict(ep_fields, backend=ctx.backend)))
     ref, model = build(family, dtype=torch_dtype, scenario=scenario, ep=ep)
     ref.to(device)
     model.to(device)
