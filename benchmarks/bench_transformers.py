@@ -71,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--backend", choices=("auto", "reference", "nccl_ep"), default="auto",
                    help="te_ep backend (cpu always uses reference)")
     p.add_argument("--capacity-factor", type=float, default=None,
-                   help="also time te_ep with register_te_ep(capacity_factor=F) (a multiplier >= 1 of a rank's mean "
+                   help="also time te_ep with register_te_ep(options=EpOptions(capacity_factor=F)) (a multiplier >= 1 of a rank's mean "
                         "receive load); the te_ep row keeps the default capacity (the worst case)")
     p.add_argument("--no-graph", action="store_true", help="skip the te_ep graph column")
     p.add_argument("--warmup", type=int, default=5)
@@ -229,10 +229,11 @@ def main(argv=None) -> int:
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     # DistributedConfig carries no te_ep options: they go with the registered name.
-    common = dict(max_tokens_per_rank=args.tokens, dtype=torch.bfloat16, backend=args.backend)
-    register_te_ep(**common)
+    common = dict(max_tokens_per_rank=args.tokens, dtype=torch.bfloat16)
+    register_te_ep(**common, options=te_ep_torch.EpOptions(backend=args.backend))
     if args.capacity_factor is not None:
-        register_te_ep("te_ep_cf", capacity_factor=args.capacity_factor, **common)
+        register_te_ep("te_ep_cf", **common,
+                       options=te_ep_torch.EpOptions(backend=args.backend, capacity_factor=args.capacity_factor))
     # What DistributedConfig(fsdp_size=W, ep_size=W) gives the experts: EP over all ranks, no TP.
     mesh = init_device_mesh(device.type, (1, world), mesh_dim_names=("tp", "ep"))
     rows, ok = [], True

@@ -170,8 +170,9 @@ def build_model(impl: str, args: argparse.Namespace, device: torch.device, dtype
 
         mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     mesh = init_moe_mesh(device.type, dp=world // args.ep, ep=args.ep)
-    return parallelize_hf_moe(model, mesh, max_tokens_per_rank=args.batch_size * args.seq_len, backend=args.backend,
-                              capacity_factor=args.capacity_factor, mp_policy=mp_policy,
+    return parallelize_hf_moe(model, mesh, max_tokens_per_rank=args.batch_size * args.seq_len,
+                              options=te.EpOptions(backend=args.backend, capacity_factor=args.capacity_factor),
+                              mp_policy=mp_policy,
                               src_data_rank=None if args.pretrained else 0)
 
 
@@ -252,8 +253,8 @@ def main() -> int:
     args.num_experts = args.num_experts or 4 * args.ep
     if "te_ep" in args.impls:
         # DistributedConfig carries no te_ep options: they are registered with the name.
-        register_te_ep(max_tokens_per_rank=args.batch_size * args.seq_len, backend=args.backend,
-                       capacity_factor=args.capacity_factor)
+        register_te_ep(max_tokens_per_rank=args.batch_size * args.seq_len,
+                       options=te.EpOptions(backend=args.backend, capacity_factor=args.capacity_factor))
     results = {impl: train(impl, args, device, dtype) for impl in args.impls}
     if rank == 0:
         print(f"\n{'impl':<20}{'tokens/s':>14}{'final loss':>12}  ({world} ranks, {device.type}, "

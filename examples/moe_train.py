@@ -348,7 +348,7 @@ def main() -> int:
         model,
         mesh,
         max_tokens_per_rank=args.batch_size * args.seq_len,
-        backend=args.backend,
+        options=te.EpOptions(backend=args.backend),
         blocks=model.blocks,
         mp_policy=mp_policy,
     )

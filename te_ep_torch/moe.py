@@ -24,9 +24,9 @@ from torch import Tensor, nn
 from ._dtensor_rules import local_tensor as _local
 from .group import EpGroup, EpHandle
 from .ops.fp8 import FP8_BLOCK, dequantize_fp8, quantize_fp8
-from .options import EpOptions
+from .options import UNSET, EpOptions
 from .overlap import comm_stream_for
-from .permutation import permute, unpermute, worst_case_capacity
+from .permutation import permute, permute_capacity, unpermute
 from .step import EpStep
 from .zones import expert_ffn, zone_scale
 
@@ -527,10 +527,10 @@ class MoE(nn.Module):
         ep_group: EpGroup,
         *,
         dtype: Optional[torch.dtype] = None,
-        capacity: Optional[int] = None,
-        capacity_factor: Optional[float] = None,
+        capacity: Optional[int] = UNSET,
+        capacity_factor: Optional[float] = UNSET,
         checks: Optional[str] = None,
-        overflow: str = "raise",
+        overflow: str = UNSET,
         options: Optional[EpOptions] = None,
     ) -> None:
         """Dispatches tokens over ``ep_group`` from now on (collective: creates a handle).
@@ -545,22 +545,24 @@ class MoE(nn.Module):
             dtype: dtype of the tokens this layer will see (the compute dtype, e.g.
                 bfloat16 under an FSDP mixed-precision policy); default: the experts'
                 parameter dtype. Call again with another dtype to add a handle.
-            capacity: receive rows per rank; ``None`` (and no ``capacity_factor``) = the
-                worst case (``EpGroup.worst_case_capacity``), which no routing can overflow.
-            capacity_factor: the receive rows as a multiplier (>= 1.0, typically 1.0 to
-                2.0) of a rank's mean load, ``top_k * max_tokens_per_rank``, plus zone
-                padding (``EpGroup.capacity_for_factor``); not with ``capacity``.
             checks: the handle's check mode (``EpGroup``'s ``checks``); ``None``: the
                 group's. The group carries ``nccl_ep_mode`` and ``timeout``.
-            overflow: what a step that needs more rows than the capacity does:
-                ``"raise"`` (``capacity overflow`` on every rank) or ``"drop"`` (the choices
-                past each expert's share are dropped and counted;
-                ``EpGroup.create_handle``).
-            options: the same handle options as one :class:`~te_ep_torch.options.EpOptions`
-                (its ``capacity``, ``capacity_factor`` and ``overflow``), instead of those
-                keywords, and the step's ``chunks`` (set by the first call; the layer's
-                forward then runs N chunks whose communication overlaps the other chunks'
-                experts on CUDA); ``checks`` stays the argument above.
+            options: the handle options as one :class:`~te_ep_torch.options.EpOptions`, e.g.
+                ``options=te.EpOptions(capacity_factor=1.25, overflow="drop")``: its ``capacity``
+                (receive rows per rank; ``None`` with no ``capacity_factor``: the worst case,
+                ``EpGroup.worst_case_capacity``, which no routing can overflow),
+                ``capacity_factor`` (the receive rows as a multiplier >= 1.0, typically 1.0 to
+                2.0, of a rank's mean load ``top_k * max_tokens_per_rank``, plus zone padding;
+                ``EpGroup.capacity_for_factor``) and ``overflow`` (what a step that needs more
+                rows than the capacity does: ``"raise"``, ``capacity overflow`` on every rank, or
+                ``"drop"``, the choices past each expert's share dropped and counted;
+                ``EpGroup.create_handle``); and the step's ``chunks`` (set by the first call: the
+                layer's forward then runs N chunks, whose communication overlaps the other
+                chunks' experts on CUDA; docs/moe.md, "Chunked step"). Its group fields
+                (``backend``, ...) are not read here (``ep_group`` has its own), and ``checks``
+                stays the argument above.
+            capacity, capacity_factor, overflow: deprecated (``FutureWarning``; removed in 0.4):
+                the same fields of ``options``, one keyword each.
         """
         if ep_group.num_experts != self.num_experts:
             raise ValueError(
@@ -608,7 +610,7 @@ class MoE(nn.Module):
 
     def _experts_local(self, tokens: Tensor, routing: RouterOutput) -> Tensor:
         alignment = self.zone_alignment(tokens.device, tokens.dtype)
-        capacity = worst_case_capacity(tokens.shape[0], self.top_k, self.num_experts, alignment)
+        capacity = permute_capacity(tokens.shape[0], self.top_k, self.num_experts, alignment)
         rows, row_weights, perm_map = permute(
             _Fp8RoundTrip.apply(tokens) if self.dispatch_dtype is not None else tokens,
             routing.topk_idx,

@@ -6,6 +6,11 @@ entries) turns its arguments into one :class:`EpOptions`; the record checks each
 with a message naming the argument and the value it expects, and gives the group's and the
 handles' keyword arguments. The rules behind the capacity fields are
 :mod:`te_ep_torch.capacity`'s.
+
+Those entry points take the record as ``options=EpOptions(...)``. Their per-option keywords
+(``backend=``, ``capacity_factor=``, ...) still work in 0.3 but are deprecated: passing one
+warns ``FutureWarning`` (:meth:`EpOptions.resolve`, the one place of that rule), and 0.4
+removes them.
 """
 
 from __future__ import annotations
@@ -13,12 +18,32 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import numbers
+import warnings
 from typing import Any, Dict, Optional, Union
 
 from .capacity import check_capacity_factor
 from .group import BACKENDS, CHECKS, DEFAULT_NCCL_EP_MODE, NCCL_EP_MODES, OVERFLOWS
 
-__all__ = ["EpOptions"]
+__all__ = ["EpOptions", "UNSET"]
+
+# The release that drops the EP keywords of the entry points (deprecated in 0.3.0).
+KEYWORDS_REMOVED_IN = "0.4"
+
+
+class _Unset:
+    """The default of an entry point's deprecated EP keyword: "not passed", told apart from
+    any value (``None`` included), so that only a keyword passed explicitly warns."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+    def __reduce__(self) -> str:
+        return "UNSET"  # copies and pickles are the one module-level sentinel
+
+
+UNSET: Any = _Unset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,20 +129,35 @@ class EpOptions:
         return obj
 
     @classmethod
-    def resolve(cls, what: str, options: Optional["EpOptions"], **keywords: Any) -> "EpOptions":
-        """What an entry point that takes both ``options`` and the keywords runs with: the record
-        of ``keywords`` where ``options`` is ``None``, else ``options``, and ``ValueError`` where
-        a keyword was also set away from its default (two answers to one question)."""
+    def resolve(cls, what: str, options: Optional["EpOptions"], *, stacklevel: int = 1,
+                **keywords: Any) -> "EpOptions":
+        """What an entry point that takes both ``options`` and its (deprecated) EP keywords runs
+        with: ``options``, else the record of the keywords passed (others at their defaults).
+
+        ``keywords`` are the entry point's EP keywords as the caller left them: :data:`UNSET`
+        (their default) where not passed. Any passed explicitly warns ``FutureWarning`` naming
+        ``what``, the keywords and the ``options=EpOptions(...)`` that replaces them (removed in
+        :data:`KEYWORDS_REMOVED_IN`); one passed away from its default besides ``options`` is
+        ``ValueError`` (two answers to one question). ``stacklevel``: the frames between the
+        entry point and this call, plus one (1: the entry point calls this), so that the
+        warning points at the entry point's caller."""
+        given = {name: value for name, value in keywords.items() if value is not UNSET}
         if options is None:
-            return cls.build(what, **keywords)
-        if not isinstance(options, EpOptions):
+            record = cls.build(what, **given)  # errors (an unknown or bad keyword) before the warning
+        elif not isinstance(options, EpOptions):
             raise TypeError(f"{what}: options must be a te_ep_torch.EpOptions, got {type(options).__name__}")
-        defaults = cls()
-        changed = sorted(name for name, value in keywords.items() if value != getattr(defaults, name))
-        if changed:
-            raise ValueError(f"{what}: pass options=EpOptions(...) or the keywords, not both; got options and "
-                             f"{', '.join(changed)}")
-        return options
+        else:
+            defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+            changed = sorted(name for name, value in given.items() if value != defaults.get(name, UNSET))
+            if changed:
+                raise ValueError(f"{what}: pass options=EpOptions(...) or the keywords, not both; got options and "
+                                 f"{', '.join(changed)}")
+            record = options
+        if given:
+            args = ", ".join(f"{f.name}=..." for f in dataclasses.fields(cls) if f.name in given)
+            warnings.warn(f"{what}({args}) is deprecated and will be removed in {KEYWORDS_REMOVED_IN}: pass "
+                          f"options=te.EpOptions({args})", FutureWarning, stacklevel=stacklevel + 2)
+        return record
 
     def group_kwargs(self) -> Dict[str, Any]:
         """The :func:`~te_ep_torch.parallel.ep_group_for` / :class:`~te_ep_torch.EpGroup` keywords."""

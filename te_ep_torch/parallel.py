@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from .group import DEFAULT_NCCL_EP_MODE, EpGroup
 from .moe import MoE
-from .options import EpOptions
+from .options import UNSET, EpOptions
 
 __all__ = [
     "ExpertParallel",
@@ -128,36 +128,37 @@ class ExpertParallel(ParallelStyle):
 
     Args:
         max_tokens_per_rank: most tokens (``batch * seq`` per rank) one forward sees.
-        backend: ``"auto"`` (``nccl_ep`` on CUDA where usable, else ``reference``),
-            ``"reference"`` or ``"nccl_ep"``.
         dtype: token dtype the layer sees (the compute dtype); default: expert weight dtype.
-        capacity: receive rows per rank; default the worst case (never overflows).
-        capacity_factor: the receive rows as a multiplier (>= 1.0) of a rank's mean load,
-            ``top_k * max_tokens_per_rank``, plus zone padding
-            (:meth:`~te_ep_torch.EpGroup.capacity_for_factor`); not with ``capacity``.
-        overflow: what a step that overflows the capacity does (``"raise"`` or ``"drop"``;
-            :meth:`~te_ep_torch.EpGroup.create_handle`).
         src_data_rank: rank whose weights are scattered; ``None`` keeps each rank's own
             slice of its local (full) weights without communication.
-        nccl_ep_mode, timeout, checks: the :class:`EpGroup` options of the layers' group.
-        options: all of ``backend``, ``nccl_ep_mode``, ``timeout``, ``checks``, ``capacity``,
-            ``capacity_factor`` and ``overflow`` as one :class:`~te_ep_torch.options.EpOptions`,
-            instead of those keywords (``ValueError`` if both are given).
+        options: the EP options as one :class:`~te_ep_torch.options.EpOptions`, e.g.
+            ``ExpertParallel(max_tokens_per_rank=T, options=te.EpOptions(capacity_factor=1.25))``
+            (default ``EpOptions()``): the group's ``backend`` (``"auto"``: ``nccl_ep`` on CUDA
+            where usable, else ``reference``), ``nccl_ep_mode``, ``timeout`` and ``checks``
+            (:class:`EpGroup`), and the handle's ``capacity`` (receive rows per rank; default
+            the worst case, which never overflows), ``capacity_factor`` (the receive rows as a
+            multiplier >= 1.0 of a rank's mean load, ``top_k * max_tokens_per_rank``, plus zone
+            padding; :meth:`~te_ep_torch.EpGroup.capacity_for_factor`; not with ``capacity``)
+            and ``overflow`` (``"raise"`` or ``"drop"``; :meth:`~te_ep_torch.EpGroup.create_handle`).
+        backend, capacity, capacity_factor, overflow, nccl_ep_mode, timeout, checks: deprecated
+            (``FutureWarning``; removed in 0.4): the same fields of ``options``, one keyword
+            each (``ValueError`` if one differs from its default besides ``options``). The
+            style reads them as attributes still (``style.capacity_factor``: its options').
     """
 
     def __init__(
         self,
         *,
         max_tokens_per_rank: int,
-        backend: str = "auto",
+        backend: str = UNSET,
         dtype: Optional[torch.dtype] = None,
-        capacity: Optional[int] = None,
-        capacity_factor: Optional[float] = None,
-        overflow: str = "raise",
+        capacity: Optional[int] = UNSET,
+        capacity_factor: Optional[float] = UNSET,
+        overflow: str = UNSET,
         src_data_rank: Optional[int] = 0,
-        nccl_ep_mode: str = DEFAULT_NCCL_EP_MODE,
-        timeout=None,
-        checks: str = "local",
+        nccl_ep_mode: str = UNSET,
+        timeout=UNSET,
+        checks: str = UNSET,
         options: Optional[EpOptions] = None,
     ) -> None:
         super().__init__()
@@ -298,28 +299,29 @@ def parallelize_moe_model(
     mesh: DeviceMesh,
     *,
     max_tokens_per_rank: int,
-    backend: str = "auto",
+    backend: str = UNSET,
     dtype: Optional[torch.dtype] = None,
-    capacity: Optional[int] = None,
-    capacity_factor: Optional[float] = None,
-    overflow: str = "raise",
+    capacity: Optional[int] = UNSET,
+    capacity_factor: Optional[float] = UNSET,
+    overflow: str = UNSET,
     dp_dim: str = "dp",
     ep_dim: str = "ep",
     blocks: Optional[Iterable[nn.Module]] = None,
     mp_policy=None,
     reshard_after_forward: bool = True,
-    nccl_ep_mode: str = DEFAULT_NCCL_EP_MODE,
-    timeout=None,
-    checks: str = "local",
+    nccl_ep_mode: str = UNSET,
+    timeout=UNSET,
+    checks: str = UNSET,
     options: Optional[EpOptions] = None,
 ) -> nn.Module:
     """:class:`ExpertParallel` on ``mesh[ep_dim]`` for every MoE layer, then :func:`apply_fsdp`.
 
     ``dtype`` defaults to ``mp_policy.param_dtype`` (the dtype the experts compute in)
-    and else to the expert weights' dtype. ``capacity``, ``capacity_factor`` and ``overflow``
-    are :class:`ExpertParallel`'s; ``nccl_ep_mode``, ``timeout`` and ``checks`` are
-    :class:`~te_ep_torch.EpGroup`'s; ``options`` gives them all as one
-    :class:`~te_ep_torch.options.EpOptions` instead.
+    and else to the expert weights' dtype. ``options`` (one
+    :class:`~te_ep_torch.options.EpOptions`, e.g. ``options=te.EpOptions(capacity_factor=1.25)``;
+    default ``EpOptions()``) is :class:`ExpertParallel`'s. The keywords ``backend``,
+    ``capacity``, ``capacity_factor``, ``overflow``, ``nccl_ep_mode``, ``timeout`` and ``checks``
+    are deprecated (``FutureWarning``; removed in 0.4): pass them as fields of ``options``.
     """
     if dtype is None and mp_policy is not None:
         dtype = mp_policy.param_dtype

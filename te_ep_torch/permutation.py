@@ -17,6 +17,7 @@ The ops' fake kernels and autograd formulas are in :mod:`te_ep_torch.ops.permute
 from __future__ import annotations
 
 import math
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -35,7 +36,8 @@ __all__ = [
     "unpermute",
     "sort_chunks_by_index",
     "sort_chunks_by_map",
-    "worst_case_capacity",
+    "permute_capacity",
+    "worst_case_capacity",  # deprecated alias of permute_capacity (removed in 0.4)
 ]
 
 
@@ -60,15 +62,28 @@ class PermuteMap(NamedTuple):
     required_rows: Tensor
 
 
-def worst_case_capacity(num_tokens: int, num_choices: int, num_experts: int, alignment: int = 1) -> int:
-    """Rows ``permute`` can need for ``num_tokens`` tokens with ``num_choices`` choices each.
+def permute_capacity(num_tokens: int, num_choices: int, num_experts: int, alignment: int = 1) -> int:
+    """Rows ``permute`` can need for ``num_tokens`` tokens with ``num_choices`` choices each
+    (its default ``capacity``, which no routing overflows).
 
     Every choice may take a row, and each expert that receives rows pads its zone by
     at most ``alignment - 1`` rows. Shape-only (no data), so it is safe under
-    ``torch.compile``.
+    ``torch.compile``. Not the EP receive rows of a rank
+    (:func:`te_ep_torch.ops.worst_case_capacity`, ``EpGroup.worst_case_capacity``).
     """
     slots = num_tokens * num_choices
     return slots + min(num_experts, slots) * (alignment - 1)
+
+
+def worst_case_capacity(num_tokens: int, num_choices: int, num_experts: int, alignment: int = 1) -> int:
+    """Deprecated (``FutureWarning``; removed in 0.4): :func:`permute_capacity`, renamed so
+    that ``worst_case_capacity`` names one rule, the EP receive rows
+    (:func:`te_ep_torch.ops.worst_case_capacity`)."""
+    warnings.warn("te_ep_torch.permutation.worst_case_capacity is deprecated and will be removed in 0.4: use "
+                  "te_ep_torch.permutation.permute_capacity (same arguments and result; "
+                  "te_ep_torch.ops.worst_case_capacity is the EP receive rows, another rule)",
+                  FutureWarning, stacklevel=2)
+    return permute_capacity(num_tokens, num_choices, num_experts, alignment)
 
 
 def _is_dtensor(t: object) -> bool:
@@ -119,7 +134,7 @@ def permute(
             probabilities, permuted alongside the tokens.
         num_experts: ``E``; required with expert ids, defaults to ``routing.shape[1]``
             with a routing map.
-        capacity: rows of the output. Default: ``worst_case_capacity``, which cannot
+        capacity: rows of the output. Default: :func:`permute_capacity`, which cannot
             overflow. Output shapes never depend on routing values, so the op needs no
             host sync and traces under ``torch.compile(fullgraph=True)``.
         alignment: power of two; each expert's zone is padded with zero rows to a
@@ -146,7 +161,7 @@ def permute(
     """
     num_experts = _resolve_num_experts(routing, num_experts)
     if capacity is None:
-        capacity = worst_case_capacity(_local_num_tokens(tokens), routing.shape[1], num_experts, alignment)
+        capacity = permute_capacity(_local_num_tokens(tokens), routing.shape[1], num_experts, alignment)
     output, permuted_probs, row_id_map, src_slot, expert_counts, required_rows = torch.ops.te_ep.permute(
         tokens, routing, probs, num_experts, capacity, alignment
     )

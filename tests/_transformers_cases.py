@@ -24,6 +24,7 @@ sharding averages over the FSDP ranks itself, so there every gradient is ``dL/dp
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Dict, List, Optional
 
 import torch
@@ -34,10 +35,13 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from te_ep_torch.integrations.transformers import expert_parallel_modules, parallelize_hf_moe, register_te_ep
+from te_ep_torch.options import EpOptions
 from te_ep_torch.parallel import init_moe_mesh, load_checkpoint, save_checkpoint
 
 VOCAB, HIDDEN, BATCH, SEQ = 64, 32, 2, 8
 TOKENS = BATCH * SEQ
+REFERENCE = EpOptions(backend="reference")
+EP_FIELDS = {f.name for f in dataclasses.fields(EpOptions)}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                head_dim=8, max_position_embeddings=64, initializer_range=0.2, num_experts_per_tok=2)
@@ -200,7 +204,7 @@ def case_parity(ctx, *, family: str, layout: str, ep: Optional[int] = None, dtyp
                 b.data = b.data.float()
     names = [n for n, _ in ref.named_parameters()]
 
-    kwargs = dict(max_tokens_per_rank=TOKENS, backend=ctx.backend)
+    kwargs = dict(max_tokens_per_rank=TOKENS, options=EpOptions(backend=ctx.backend))
     if layout == "group":
         parallelize_hf_moe(model, None, **kwargs)
     elif layout == "mesh1d":
@@ -270,7 +274,7 @@ def case_compiled_block(ctx, *, family: str, compile_backend: str = "aot_eager",
 
     W = ctx.world_size
     ref, model = build(family)
-    parallelize_hf_moe(model, None, max_tokens_per_rank=TOKENS, backend="reference")
+    parallelize_hf_moe(model, None, max_tokens_per_rank=TOKENS, options=REFERENCE)
     ref_block, block = _moe_block(ref, family), _moe_block(model, family)
     torch._dynamo.reset()
     compiled = torch.compile(block, backend=compile_backend, fullgraph=True)
@@ -317,7 +321,7 @@ def case_save(ctx, *, family: str, path: str, ep: int):
     Returns the global state dict written and the logits of a fixed batch after the step."""
     _, model = build(family, seed=1)
     parallelize_hf_moe(model, init_moe_mesh("cpu", dp=ctx.world_size // ep, ep=ep), max_tokens_per_rank=TOKENS,
-                       backend="reference")
+                       options=REFERENCE)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     x = batch(ctx.rank)
     model(x, labels=x).loss.backward()
@@ -337,7 +341,7 @@ def case_load(ctx, *, family: str, path: str, layout: str):
     _, model = build(family, seed=7)
     if layout != "unsharded":
         mesh = None if layout == "ep" else init_moe_mesh("cpu", dp=1, ep=ctx.world_size)
-        parallelize_hf_moe(model, mesh, max_tokens_per_rank=TOKENS, backend="reference")
+        parallelize_hf_moe(model, mesh, max_tokens_per_rank=TOKENS, options=REFERENCE)
     load_checkpoint(path, model)
     with torch.no_grad():
         logits = model(batch(0)).logits.float()
@@ -351,7 +355,7 @@ def case_bad_batch_one_rank(ctx):
     """A batch longer than max_tokens_per_rank on the last rank only: every rank raises in that
     forward (the ops' checks, agreed), none waits for the faulty one; then a good step works."""
     _, model = build("qwen3_moe")
-    parallelize_hf_moe(model, None, max_tokens_per_rank=TOKENS, backend="reference")
+    parallelize_hf_moe(model, None, max_tokens_per_rank=TOKENS, options=REFERENCE)
     last = ctx.rank == ctx.world_size - 1
     x = torch.randint(0, VOCAB, (BATCH, SEQ + 3 if last else SEQ))
     try:
@@ -388,7 +392,8 @@ def case_refusals(ctx):
             setattr(config, k, v)
         return AutoModelForCausalLM.from_config(config, experts_implementation="eager")
 
-    opts = dict(max_tokens_per_rank=TOKENS, backend="reference")
+    opts = dict(max_tokens_per_rank=TOKENS, options=REFERENCE)
+    keywords = dict(max_tokens_per_rank=TOKENS)  # a bad EP keyword is refused before its FutureWarning
     # num_experts not divisible by the EP size (here 2): 5 experts.
     five = fresh(num_experts=5)
     expect("indivisible", lambda: parallelize_hf_moe(five, None, **opts))
@@ -415,13 +420,13 @@ def case_refusals(ctx):
     model = fresh()
     for label, kwargs in {
         "max_tokens": dict(opts, max_tokens_per_rank=0),
-        "backend": dict(opts, backend="mpi"),
+        "backend": dict(keywords, backend="mpi"),
         "alignment": dict(opts, alignment=3),
-        "capacity_factor": dict(opts, capacity_factor=0.5),
-        "overflow": dict(opts, overflow="skip"),
+        "capacity_factor": dict(keywords, capacity_factor=0.5),
+        "overflow": dict(keywords, overflow="skip"),
         "expert_impl": dict(opts, expert_impl="fast"),
-        "nccl_ep_mode": dict(opts, nccl_ep_mode="fast"),
-        "checks": dict(opts, checks="strict"),
+        "nccl_ep_mode": dict(keywords, nccl_ep_mode="fast"),
+        "checks": dict(keywords, checks="strict"),
         "dtype": dict(opts, dtype=torch.int8),
         "fsdp_options_without_mesh": dict(opts, blocks=[]),
     }.items():
@@ -462,7 +467,8 @@ def case_registry_parity(ctx, *, family: str, ep: Optional[int] = None, dtype: s
     """Logits, loss and every gradient of a model sharded by transformers with
     ``DistributedConfig(fsdp_size=W, ep_size=ep, ep_implementation=impl)`` vs the unsharded one.
 
-    ``options``: register ``impl`` first with ``register_te_ep(impl, **options)``.
+    ``options``: register ``impl`` first with ``register_te_ep(impl, **options)`` (the EP
+    options among them as ``options=EpOptions(...)``).
     ``dtype="bfloat16"``: bfloat16 parameters, compute and reduction, against the bfloat16
     reference. (Not ``fsdp_mixed_precision``: in transformers 5.24 its EP path, with
     ``"all_to_all"`` as with te_ep, moves the logits of these tiny models by up to a fifth
@@ -477,7 +483,9 @@ def case_registry_parity(ctx, *, family: str, ep: Optional[int] = None, dtype: s
     torch_dtype = _DTYPES[dtype]
     device = torch.device(ctx.device)
     if options is not None:
-        register_te_ep(impl, **dict(options, backend=ctx.backend))
+        ep_fields = {k: v for k, v in options.items() if k in EP_FIELDS}
+        register_te_ep(impl, **{k: v for k, v in options.items() if k not in EP_FIELDS},
+                       options=EpOptions(**dict(ep_fields, backend=ctx.backend)))
     ref, model = build(family, dtype=torch_dtype, scenario=scenario, ep=ep)
     ref.to(device)
     model.to(device)

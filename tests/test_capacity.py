@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from te_ep_torch.group import capacity_for_factor, check_capacity_factor
+from te_ep_torch.options import EpOptions
 from te_ep_torch.parallel import ExpertParallel, parallelize_moe_model
 
 
@@ -103,15 +104,17 @@ def test_rule_checks_its_sizes():
 
 def test_expert_parallel_refuses_before_sharding():
     """ExpertParallel (and parallelize_moe_model, which builds one) checks the capacity
-    arguments when made, before any weight is sharded."""
+    arguments when made, before any weight is sharded (a bad deprecated keyword is refused
+    before its FutureWarning)."""
     with pytest.raises(ValueError, match=r"ExpertParallel: pass capacity \(rows\) or capacity_factor .*not both"):
         ExpertParallel(max_tokens_per_rank=8, capacity=64, capacity_factor=1.5)
     with pytest.raises(ValueError, match="parallelize_moe_model: capacity_factor is now a multiplier"):
         parallelize_moe_model(torch.nn.Linear(2, 2), None, max_tokens_per_rank=8, capacity_factor=0.5)
-    assert ExpertParallel(max_tokens_per_rank=8, capacity_factor=1.25).capacity_factor == 1.25
+    assert ExpertParallel(max_tokens_per_rank=8, options=EpOptions(capacity_factor=1.25)).capacity_factor == 1.25
     with pytest.raises(ValueError, match=r"parallelize_moe_model: overflow must be one of \('raise', 'drop'\), got 'skip'"):
         parallelize_moe_model(torch.nn.Linear(2, 2), None, max_tokens_per_rank=8, overflow="skip")
-    assert ExpertParallel(max_tokens_per_rank=8, capacity_factor=1.25, overflow="drop").overflow == "drop"
+    assert ExpertParallel(max_tokens_per_rank=8, options=EpOptions(capacity_factor=1.25, overflow="drop")).overflow \
+        == "drop"
 
 
 def test_memory_table_in_docs_is_the_scripts():

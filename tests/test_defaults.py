@@ -13,6 +13,7 @@ import torch
 
 import te_ep_torch as te
 from _dist import REPO, subprocess_env
+from te_ep_torch.options import UNSET
 from te_ep_torch.parallel import ep_group_for
 
 
@@ -25,17 +26,22 @@ def test_the_default_is_zero_copy_and_a_mode():
     assert te.DEFAULT_NCCL_EP_MODE in te.NCCL_EP_MODES
 
 
-@pytest.mark.parametrize("entry", [te.EpGroup, te.ExpertParallel, te.parallelize_moe_model, ep_group_for],
-                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize("entry", [te.EpGroup, ep_group_for, te.EpOptions], ids=lambda f: f.__name__)
 def test_entry_points_take_the_one_default(entry):
     assert _default(entry) == te.DEFAULT_NCCL_EP_MODE
+
+
+def test_layer_entry_points_run_with_the_records_default():
+    # Their nccl_ep_mode keyword is deprecated (UNSET: not passed); what they run with is EpOptions()'s.
+    assert _default(te.ExpertParallel) is UNSET and _default(te.parallelize_moe_model) is UNSET
+    assert te.ExpertParallel(max_tokens_per_rank=8).options.nccl_ep_mode == te.DEFAULT_NCCL_EP_MODE
 
 
 def test_transformers_takes_the_one_default():
     pytest.importorskip("transformers")
     from te_ep_torch.integrations.transformers import parallelize_hf_moe
 
-    assert _default(parallelize_hf_moe) == te.DEFAULT_NCCL_EP_MODE
+    assert _default(parallelize_hf_moe) is UNSET  # deprecated keyword: options=EpOptions() carries the default
 
 
 def test_torchtitan_config_takes_the_one_default():

@@ -41,7 +41,8 @@ def _worker_fp8_dispatch(ctx, dtype: str = "float32", compile: bool = False) -> 
     plain = make_moe(**kw).to(device)
     ref = copy.deepcopy(plain)
     for m in (fp8, plain):
-        parallelize_module(m, mesh, ExpertParallel(max_tokens_per_rank=max(counts), backend=ctx.backend))
+        parallelize_module(m, mesh, ExpertParallel(max_tokens_per_rank=max(counts),
+                                                   options=te.EpOptions(backend=ctx.backend)))
     g = torch.Generator().manual_seed(11)
     x_all = torch.randn(sum(counts), hidden, generator=g).to(device, dt)
     grad_all = torch.randn(sum(counts), hidden, generator=g).to(device, dt)
@@ -57,7 +58,8 @@ def _worker_fp8_dispatch(ctx, dtype: str = "float32", compile: bool = False) -> 
     if compile:
         eager = run(fp8, 2)
         fp8_c = make_moe(dispatch_dtype="fp8", **kw).to(device)
-        parallelize_module(fp8_c, mesh, ExpertParallel(max_tokens_per_rank=max(counts), backend=ctx.backend))
+        parallelize_module(fp8_c, mesh, ExpertParallel(max_tokens_per_rank=max(counts),
+                                                       options=te.EpOptions(backend=ctx.backend)))
         got = run(fresh_compile(fp8_c), 2)
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, dict(torch._dynamo.utils.counters["stats"])
         assert_close(got[0], eager[0], "compiled output", dt)

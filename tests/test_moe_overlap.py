@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from _moe_common import make_moe, need_gpus, need_nccl_ep, run_workers
+from te_ep_torch.options import EpOptions
 
 
 # ---- overlap: communication on a side stream -----------------------------------------------------
@@ -95,7 +96,7 @@ def _worker_overlap(ctx, dtype: str = "float32", fp8: bool = False, stress: bool
     layers = []
     for ov in (False, True):
         m = make_moe(overlap=ov, **kw).to(device)
-        parallelize_module(m, mesh, ExpertParallel(max_tokens_per_rank=64, backend=ctx.backend))
+        parallelize_module(m, mesh, ExpertParallel(max_tokens_per_rank=64, options=EpOptions(backend=ctx.backend)))
         if aux == "group":
             m.router.process_group = dist.group.WORLD
         else:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from _moe_common import (F32, LAYER_CONFIGS, assert_close, fresh_compile, make_moe, need_gpus, reference_moe,
                          run_workers)
 from te_ep_torch.moe import MoE
+from te_ep_torch.options import EpOptions
 
 
 def _full(t):
@@ -48,7 +49,8 @@ def _worker_ep_vs_dense(ctx, config: str, dtype: str = "float32") -> None:
     lo, hi = sum(counts[:rank]), sum(counts[: rank + 1])
 
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
-    parallelize_module(moe, mesh, ExpertParallel(max_tokens_per_rank=max(counts), backend=ctx.backend))
+    parallelize_module(moe, mesh, ExpertParallel(max_tokens_per_rank=max(counts),
+                                                 options=EpOptions(backend=ctx.backend)))
 
     e_local = 8 // world
     for name in ("w_gate", "w_up", "w_down"):
@@ -136,7 +138,8 @@ def _worker_fsdp_grads(ctx, dp: int, ep: int) -> None:
     t_all = torch.randn(world * tokens, 4, generator=g).to(device)
 
     mesh = init_moe_mesh(device.type, dp=dp, ep=ep)
-    parallelize_moe_model(model, mesh, max_tokens_per_rank=tokens, backend=ctx.backend, blocks=[model.moe])
+    parallelize_moe_model(model, mesh, max_tokens_per_rank=tokens, options=EpOptions(backend=ctx.backend),
+                          blocks=[model.moe])
     w = model.moe.experts.w_gate
     assert isinstance(w, DTensor) and w.device_mesh.mesh_dim_names == ("dp", "ep"), w
     assert [type(p).__name__ + str(getattr(p, "dim", "")) for p in w.placements] == ["Shard1", "Shard0"]
@@ -179,7 +182,7 @@ def _build_parallel(seed: int, dp: int, ep: int, lr: float = 0.0):
 
     model = TinyModel(seed, expert_bias=True, score_func="sigmoid")
     mesh = init_moe_mesh("cpu", dp=dp, ep=ep)
-    parallelize_moe_model(model, mesh, max_tokens_per_rank=8, backend="reference")
+    parallelize_moe_model(model, mesh, max_tokens_per_rank=8, options=EpOptions(backend="reference"))
     return model, torch.optim.Adam(model.parameters(), lr=lr or 1e-2)
 
 

@@ -17,8 +17,8 @@ from te_ep_torch.permutation import (
     permute_exact,
     sort_chunks_by_index,
     sort_chunks_by_map,
+    permute_capacity,
     unpermute,
-    worst_case_capacity,
 )
 
 HAS_CUDA = torch.cuda.is_available()
@@ -132,7 +132,7 @@ def test_permute_unpermute_match_reference(device, dtype, kind, with_probs, alig
     num_choices = routing.shape[1]
     tokens = torch.randn(num_tokens, hidden, device=device).to(dtype).requires_grad_()
     probs = torch.rand(num_tokens, num_choices, device=device).requires_grad_() if with_probs else None
-    capacity = worst_case_capacity(num_tokens, num_choices, num_experts, alignment)
+    capacity = permute_capacity(num_tokens, num_choices, num_experts, alignment)
 
     out, pp, perm_map = permute(tokens, routing, probs, num_experts=num_experts, capacity=capacity, alignment=alignment)
     ref = ref_permute(tokens, routing, probs, num_experts, capacity, alignment)
@@ -505,3 +505,15 @@ def test_compile_fullgraph_matches_eager():
     # A different token count runs through the same (dynamic) graph.
     x2 = torch.randn(17, 32)
     torch.testing.assert_close(compiled(x2), model(x2))
+
+
+def test_worst_case_capacity_is_a_deprecated_alias_of_permute_capacity():
+    """permutation.worst_case_capacity (rows of permute) was renamed permute_capacity: the
+    name worst_case_capacity is the EP receive rows' (ops.worst_case_capacity). The old name
+    still works in 0.3, with a FutureWarning naming the new one."""
+    import te_ep_torch.permutation as permutation
+
+    assert permute_capacity(37, 3, 6, 8) == 37 * 3 + 6 * 7 and permute_capacity(2, 1, 6) == 2
+    with pytest.warns(FutureWarning, match=r"te_ep_torch\.permutation\.worst_case_capacity is deprecated and will "
+                                           r"be removed in 0\.4: use te_ep_torch\.permutation\.permute_capacity"):
+        assert permutation.worst_case_capacity(37, 3, 6, alignment=8) == permute_capacity(37, 3, 6, 8)

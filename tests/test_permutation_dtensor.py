@@ -31,7 +31,7 @@ def _routing(kind, num_tokens, seed):
 def _check_permute_roundtrip(mesh, placements, kind, num_tokens):
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    from te_ep_torch.permutation import permute, unpermute, worst_case_capacity
+    from te_ep_torch.permutation import permute, permute_capacity, unpermute
 
     torch.manual_seed(0)
     tokens = torch.randn(num_tokens, HIDDEN)
@@ -42,7 +42,7 @@ def _check_permute_roundtrip(mesh, placements, kind, num_tokens):
     shards = 1
     for i in sharded:
         shards *= mesh.size(i)
-    capacity = worst_case_capacity(-(-num_tokens // shards), routing.shape[1], NUM_EXPERTS, ALIGN)
+    capacity = permute_capacity(-(-num_tokens // shards), routing.shape[1], NUM_EXPERTS, ALIGN)
 
     d_tokens = distribute_tensor(tokens, mesh, placements).requires_grad_()
     d_routing = distribute_tensor(routing, mesh, placements)

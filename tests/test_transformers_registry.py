@@ -35,6 +35,7 @@ except ImportError:
                 "arrived in 5.23); tests/test_transformers.py covers parallelize_hf_moe", allow_module_level=True)
 
 from test_transformers import _check_diffs  # noqa: E402
+from te_ep_torch.options import EpOptions  # noqa: E402
 
 TOKENS = 16  # tests/_transformers_cases.py: BATCH * SEQ tokens per rank
 
@@ -112,13 +113,19 @@ def test_import_registers_te_ep():
 def test_register_te_ep_options_and_idempotence():
     from te_ep_torch.integrations.transformers import TeEpImplementation, register_te_ep
 
-    cls = register_te_ep("te_ep_test_cf", capacity_factor=1.5, overflow="drop", checks="device")
+    record = EpOptions(capacity_factor=1.5, overflow="drop", checks="device")
+    cls = register_te_ep("te_ep_test_cf", options=record)
     assert issubclass(cls, TeEpImplementation) and cls is not TeEpImplementation
     assert EPImplementationInterface()["te_ep_test_cf"] is cls
     assert cls.registered_name == "te_ep_test_cf"
     assert (cls.options["capacity_factor"], cls.options["overflow"], cls.options["checks"]) == (1.5, "drop", "device")
-    assert register_te_ep("te_ep_test_cf", capacity_factor=1.5, overflow="drop", checks="device") is cls
-    other = register_te_ep("te_ep_test_cf", capacity_factor=1.25)
+    assert register_te_ep("te_ep_test_cf", options=EpOptions(capacity_factor=1.5, overflow="drop", checks="device")) \
+        is cls
+    # The deprecated keywords give the same registration, with a FutureWarning naming them.
+    with pytest.warns(FutureWarning, match=r"register_te_ep\(checks=\.\.\., capacity_factor=\.\.\., overflow=\.\.\.\) "
+                                           r"is deprecated and will be removed in 0\.4"):
+        assert register_te_ep("te_ep_test_cf", capacity_factor=1.5, overflow="drop", checks="device") is cls
+    other = register_te_ep("te_ep_test_cf", options=EpOptions(capacity_factor=1.25))
     assert other is not cls and EPImplementationInterface()["te_ep_test_cf"] is other
     assert EPImplementationInterface()["te_ep"] is TeEpImplementation, "another name replaced the default"
 

@@ -81,9 +81,9 @@ except ImportError:  # transformers 5.17 to 5.22: no EP registry, parallelize_hf
     EPImplementation = EPImplementationInterface = None
 
 from .._dtensor_rules import local_tensor as _local
-from ..group import DEFAULT_NCCL_EP_MODE, EpGroup, EpHandle
+from ..group import EpGroup, EpHandle
 from ..moe import EXPERT_IMPLS, GROUPED_MM_ALIGNMENT, grouped_mm_supported
-from ..options import EpOptions
+from ..options import UNSET, EpOptions
 from ..parallel import _flat_dp_mesh, ep_group_for
 from ..step import EpStep
 from ..zones import expert_ffn
@@ -371,18 +371,22 @@ def _check_layout(name: str, m: nn.Module, ep_size: int, top_k: Optional[int], d
     return _Layout(name, m, num_experts, top_k, int(in1), (int(in1), int(out1), int(in2)), list(required))
 
 
-def _check_options(what: str = "parallelize_hf_moe", *, max_tokens_may_be_none: bool = False, backend, nccl_ep_mode,
-                   timeout, checks, capacity_factor, overflow, capacity=None, ep_options: Optional[EpOptions] = None,
-                   **options) -> EpOptions:
-    """The EP options as one record (``ep_options``, or the keywords); ValueError naming the wrong
+_EP_FIELDS = frozenset(f.name for f in dataclasses.fields(EpOptions))
+
+
+def _check_options(what: str = "parallelize_hf_moe", *, max_tokens_may_be_none: bool = False,
+                   ep_options: Optional[EpOptions] = None, **options) -> EpOptions:
+    """The EP options as one record (``ep_options``, or the deprecated EP keywords among
+    ``options``, :data:`~te_ep_torch.options.UNSET` where not passed; ``EpOptions.resolve``
+    warns for those passed, pointing at the caller of ``what``); ValueError naming the wrong
     argument of ``what`` (:func:`parallelize_hf_moe` or :func:`register_te_ep`)."""
     max_tokens = options["max_tokens_per_rank"]
     if not (max_tokens_may_be_none and max_tokens is None) and (
             not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0):
         raise ValueError(f"{what}: max_tokens_per_rank must be a positive int (batch size * sequence length per "
                          f"rank){' or None (the first batch)' if max_tokens_may_be_none else ''}, got {max_tokens!r}")
-    record = EpOptions.resolve(what, ep_options, backend=backend, nccl_ep_mode=nccl_ep_mode, timeout=timeout,
-                               checks=checks, capacity=capacity, capacity_factor=capacity_factor, overflow=overflow)
+    keywords = {name: options.pop(name) for name in list(options) if name in _EP_FIELDS}
+    record = EpOptions.resolve(what, ep_options, stacklevel=2, **keywords)
     dtype = options["dtype"]
     if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"{what}: dtype must be None, torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")
@@ -431,14 +435,14 @@ def parallelize_hf_moe(
     mesh_or_group=None,
     *,
     max_tokens_per_rank: int,
-    backend: str = "auto",
-    nccl_ep_mode: str = DEFAULT_NCCL_EP_MODE,
-    timeout=None,
-    checks: str = "local",
+    backend: str = UNSET,
+    nccl_ep_mode: str = UNSET,
+    timeout=UNSET,
+    checks: str = UNSET,
     dtype: Optional[torch.dtype] = None,
     alignment: Optional[int] = None,
-    capacity_factor: Optional[float] = None,
-    overflow: str = "raise",
+    capacity_factor: Optional[float] = UNSET,
+    overflow: str = UNSET,
     expert_impl: str = "auto",
     top_k: Optional[int] = None,
     src_data_rank: Optional[int] = 0,
@@ -483,25 +487,12 @@ def parallelize_hf_moe(
               batch (te_ep_torch.parallel.apply_fsdp has the derivation).
         max_tokens_per_rank: most tokens one forward of a rank sends into an MoE layer
             (batch size * sequence length). A longer batch raises ``ValueError`` naming it.
-        backend: te_ep backend: ``"auto"`` (``nccl_ep`` on Hopper+ GPUs where NCCL EP
-            loads, else ``"reference"``), ``"reference"`` or ``"nccl_ep"``.
-        nccl_ep_mode, timeout, checks: :class:`~te_ep_torch.EpGroup`'s (NCCL EP's transport
-            mode, the watchdog's limit, how bad input is caught: docs/ops.md, "Check modes").
         dtype: dtype of the tokens entering the experts, the handles are made for it now
             (before any ``torch.compile``); default ``mp_policy.param_dtype`` and else the
             experts' weight dtype. Tokens of another dtype get their own handle on first
             eager use.
         alignment: rows each expert zone is padded to (power of two); ``None``: 16 where
             the experts run ``torch._grouped_mm``, else 1.
-        capacity_factor: receive rows as a multiplier (>= 1.0, typically 1.0 to 2.0) of the
-            mean receive load of a rank, ``top_k * max_tokens_per_rank``, plus zone padding
-            (:meth:`te_ep_torch.EpGroup.capacity_for_factor`); ``None`` = the worst case
-            (every token of every EP rank here), which no routing overflows. A step that
-            needs more raises ``capacity overflow`` (docs/ops.md, "Capacity"). Values below
-            1.0 (the old fraction-of-the-worst-case meaning, removed in 0.3.0) are refused.
-        overflow: ``"raise"`` or ``"drop"``: what a step that needs more rows than the
-            capacity does (:meth:`te_ep_torch.EpGroup.create_handle`; dropped choices are
-            counted in each handle's ``dropped``).
         expert_impl: how the local experts run on the received rows: ``"grouped_mm"``
             (``torch._grouped_mm``), ``"loop"`` (a dense GEMM per local expert over the
             buffer, any device and dtype) or ``"auto"`` (``grouped_mm`` on CUDA SM90+ in
@@ -517,9 +508,24 @@ def parallelize_hf_moe(
             (2-D mesh only). The experts' units never cast their inputs, so the router's
             weights reach them in the router's own dtype.
         reshard_after_forward: ``fully_shard``'s (2-D mesh only).
-        options: ``backend``, ``nccl_ep_mode``, ``timeout``, ``checks``, ``capacity_factor``,
-            ``overflow`` (and ``capacity``, receive rows) as one
-            :class:`~te_ep_torch.options.EpOptions`, instead of those keywords.
+        options: te_ep's EP options as one :class:`~te_ep_torch.options.EpOptions` (default
+            ``EpOptions()``), e.g. ``options=te.EpOptions(capacity_factor=1.25)``. Its
+            ``backend``: ``"auto"`` (``nccl_ep`` on Hopper+ GPUs where NCCL EP loads, else
+            ``"reference"``), ``"reference"`` or ``"nccl_ep"``; ``nccl_ep_mode``, ``timeout``,
+            ``checks``: :class:`~te_ep_torch.EpGroup`'s (NCCL EP's transport mode, the
+            watchdog's limit, how bad input is caught: docs/ops.md, "Check modes");
+            ``capacity_factor``: receive rows as a multiplier (>= 1.0, typically 1.0 to 2.0) of
+            the mean receive load of a rank, ``top_k * max_tokens_per_rank``, plus zone padding
+            (:meth:`te_ep_torch.EpGroup.capacity_for_factor`); ``None`` = the worst case (every
+            token of every EP rank here), which no routing overflows. A step that needs more
+            raises ``capacity overflow`` (docs/ops.md, "Capacity"). Values below 1.0 (the old
+            fraction-of-the-worst-case meaning, removed in 0.3.0) are refused; ``capacity``:
+            receive rows instead; ``overflow``: ``"raise"`` or ``"drop"``, what a step that
+            needs more rows than the capacity does (:meth:`te_ep_torch.EpGroup.create_handle`;
+            dropped choices are counted in each handle's ``dropped``).
+        backend, nccl_ep_mode, timeout, checks, capacity_factor, overflow: deprecated
+            (``FutureWarning``; removed in 0.4): the same fields of ``options``, one keyword
+            each.
     """
     if HAS_EP_REGISTRY:
         warnings.warn(
@@ -616,14 +622,14 @@ def register_te_ep(
     name: str = IMPLEMENTATION,
     *,
     max_tokens_per_rank: Optional[int] = None,
-    backend: str = "auto",
-    nccl_ep_mode: str = DEFAULT_NCCL_EP_MODE,
-    timeout=None,
-    checks: str = "local",
+    backend: str = UNSET,
+    nccl_ep_mode: str = UNSET,
+    timeout=UNSET,
+    checks: str = UNSET,
     dtype: Optional[torch.dtype] = None,
     alignment: Optional[int] = None,
-    capacity_factor: Optional[float] = None,
-    overflow: str = "raise",
+    capacity_factor: Optional[float] = UNSET,
+    overflow: str = UNSET,
     expert_impl: str = "auto",
     top_k: Optional[int] = None,
     options: Optional[EpOptions] = None,
@@ -635,7 +641,8 @@ def register_te_ep(
     carries no per-implementation options, so they are fixed here, per name: importing
     this module registers ``"te_ep"`` with the defaults; calling this again with ``"te_ep"``
     replaces them for models sharded afterwards, and another ``name`` registers a second
-    configuration beside it (say ``register_te_ep("te_ep_cf1.25", capacity_factor=1.25)``).
+    configuration beside it (say
+    ``register_te_ep("te_ep_cf1.25", options=te.EpOptions(capacity_factor=1.25))``).
     Idempotent: the same name and options return the class already registered.
 
     Args:
@@ -643,10 +650,11 @@ def register_te_ep(
         max_tokens_per_rank: most tokens one forward of a rank sends into an MoE layer
             (batch size * sequence length); ``None``: the largest first batch of the EP
             ranks (a longer batch later raises ``ValueError`` naming this option).
-        backend, nccl_ep_mode, timeout, checks, dtype, alignment, capacity_factor, overflow,
-        expert_impl, top_k, options: as :func:`parallelize_hf_moe`'s (``dtype``: the handles are
-        made when the model is sharded if ``max_tokens_per_rank`` is given too, else on the first
-        forward).
+        dtype, alignment, expert_impl, top_k, options: as :func:`parallelize_hf_moe`'s
+            (``dtype``: the handles are made when the model is sharded if
+            ``max_tokens_per_rank`` is given too, else on the first forward).
+        backend, nccl_ep_mode, timeout, checks, capacity_factor, overflow: deprecated
+            (``FutureWarning``; removed in 0.4): the same fields of ``options``.
 
     Returns:
         the registered :class:`TeEpImplementation` subclass (``options`` holds the options).
@@ -664,10 +672,11 @@ def register_te_ep(
     if not isinstance(name, str) or not name:
         raise ValueError(f"register_te_ep: name must be a non-empty str, got {name!r}")
     ep_options = options
-    options = dict(max_tokens_per_rank=max_tokens_per_rank, backend=backend, nccl_ep_mode=nccl_ep_mode,
-                   timeout=timeout, checks=checks, dtype=dtype, alignment=alignment, capacity_factor=capacity_factor,
-                   overflow=overflow, expert_impl=expert_impl, top_k=top_k, capacity=None)
-    record = _check_options("register_te_ep", max_tokens_may_be_none=True, ep_options=ep_options, **options)
+    options = dict(max_tokens_per_rank=max_tokens_per_rank, dtype=dtype, alignment=alignment,
+                   expert_impl=expert_impl, top_k=top_k)
+    record = _check_options("register_te_ep", max_tokens_may_be_none=True, ep_options=ep_options, backend=backend,
+                            nccl_ep_mode=nccl_ep_mode, timeout=timeout, checks=checks,
+                            capacity_factor=capacity_factor, overflow=overflow, **options)
     options.update(dataclasses.asdict(record))  # the class keeps plain values: the record's
     registry = EPImplementationInterface()
     current = registry[name] if name in registry else None
@@ -709,7 +718,7 @@ if HAS_EP_REGISTRY:
         # register_te_ep's defaults (parallelize_hf_moe's, but max_tokens_per_rank=None).
         options: ClassVar[Dict[str, Any]] = {
             **{name: p.default for name, p in inspect.signature(register_te_ep).parameters.items()
-               if name not in ("name", "options")},
+               if name not in ("name", "options") and name not in _EP_FIELDS},
             **dataclasses.asdict(EpOptions())}
         registered_name: ClassVar[str] = IMPLEMENTATION
 
@@ -739,7 +748,9 @@ if HAS_EP_REGISTRY:
         def _make_state(self, max_tokens_per_rank: int) -> TeEpExpertsState:
             """The module's group, state and (for the ``dtype`` option) handle: collective over the EP mesh."""
             opts, layout = self.options, self.layout
-            record = _check_options("register_te_ep", max_tokens_may_be_none=True, **opts)
+            record = _check_options("register_te_ep", max_tokens_may_be_none=True,
+                                    ep_options=EpOptions(**{k: v for k, v in opts.items() if k in _EP_FIELDS}),
+                                    **{k: v for k, v in opts.items() if k not in _EP_FIELDS})
             group = ep_group_for(self.ep_mesh, num_experts=layout.num_experts, max_tokens_per_rank=max_tokens_per_rank,
                                  **record.group_kwargs())
             state = TeEpExpertsState(name=self.name, group=group, top_k=layout.top_k, hidden=layout.hidden,

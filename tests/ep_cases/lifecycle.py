@@ -208,8 +208,8 @@ def case_capacity_factor(ctx) -> None:
     # te.MoE through ExpertParallel: the same capacity for the layer's handle.
     moe = te.MoE(st.hidden, 8, st.experts_per_rank * W, st.top_k, alignment=st.alignment).to(dev)
     mesh = init_device_mesh(dev.type, (W,), mesh_dim_names=("ep",))
-    parallelize_module(moe, mesh, ExpertParallel(max_tokens_per_rank=27, backend=ctx.backend, capacity_factor=1.5,
-                                                 **ctx.group_options()))
+    parallelize_module(moe, mesh, ExpertParallel(max_tokens_per_rank=27, options=te.EpOptions(
+        backend=ctx.backend, capacity_factor=1.5, **ctx.group_options())))
     assert [h.config.capacity for h in moe.handles.values()] == [fitted], moe.handles
     moe(torch.randn(st.num_tokens(r), st.hidden, device=dev)).sum().backward()
     te.shutdown_ep_groups()
@@ -345,8 +345,8 @@ def case_overflow_drop(ctx) -> None:
     dev = torch.device(ctx.device)
     moe = te.MoE(st.hidden, 8, num_experts, st.top_k, alignment=st.alignment).to(dev)
     mesh = init_device_mesh(dev.type, (W,), mesh_dim_names=("ep",))
-    parallelize_module(moe, mesh, ExpertParallel(max_tokens_per_rank=27, backend=ctx.backend, capacity_factor=1.0,
-                                                 overflow="drop", **ctx.group_options()))
+    parallelize_module(moe, mesh, ExpertParallel(max_tokens_per_rank=27, options=te.EpOptions(
+        backend=ctx.backend, capacity_factor=1.0, overflow="drop", **ctx.group_options())))
     (handle,) = moe.handles.values()
     assert handle.config.overflow == "drop" and handle.expert_share == 16, handle
     with torch.no_grad():

@@ -152,12 +152,13 @@ def time_block(ctx: Ctx, family: str, sizes: dict, tokens: int, args, device: to
     for name, b in list(ref.named_buffers()) + list(ours.named_buffers()):
         if name.endswith("e_score_correction_bias"):
             b.data = b.data.float()
-    parallelize_hf_moe(ours, None, max_tokens_per_rank=tokens, backend=args.backend, dtype=torch.bfloat16)
+    parallelize_hf_moe(ours, None, max_tokens_per_rank=tokens, dtype=torch.bfloat16,
+                       options=te_ep_torch.EpOptions(backend=args.backend))
     blocks = {"grouped_mm": ref, "te_ep": ours}
     if args.capacity_factor is not None:
         fitted = copy.deepcopy(ref)
-        parallelize_hf_moe(fitted, None, max_tokens_per_rank=tokens, backend=args.backend, dtype=torch.bfloat16,
-                           capacity_factor=args.capacity_factor)
+        parallelize_hf_moe(fitted, None, max_tokens_per_rank=tokens, dtype=torch.bfloat16,
+                           options=te_ep_torch.EpOptions(backend=args.backend, capacity_factor=args.capacity_factor))
         blocks["te_ep_cf"] = fitted
     gen = torch.Generator(device="cpu").manual_seed(10 + ctx.rank)
     x = torch.randn(1, tokens, sizes["hidden"], generator=gen).to(device, torch.bfloat16)
@@ -245,7 +246,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip-equality", action="store_true")
     p.add_argument("--skip-timing", action="store_true")
     p.add_argument("--capacity-factor", type=float, default=None,
-                   help="also time te_ep with parallelize_hf_moe(capacity_factor=...) (te_ep cf column)")
+                   help="also time te_ep with parallelize_hf_moe(options=EpOptions(capacity_factor=...)) (te_ep cf column)")
     return p.parse_args()
 
 
@@ -306,7 +307,7 @@ def main() -> int:
                       f"{(r['te_ep'] - r['grouped_mm']) / r['comm']:>22.2f}  {r['backend']}/{','.join(r['impls'])}, "
                       f"{'yes' if close else 'NO'} ({r['rel']:.1e})", flush=True)
             print("comm: ep_dispatch + ep_combine alone, forward + backward, on the block's shapes (uniform random "
-                  "routing); te_ep cf: parallelize_hf_moe(capacity_factor=--capacity-factor)")
+                  "routing); te_ep cf: parallelize_hf_moe(options=EpOptions(capacity_factor=--capacity-factor))")
     te_ep_torch.shutdown_ep_groups()
     dist.barrier()
     dist.destroy_process_group()
