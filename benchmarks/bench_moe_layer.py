@@ -405,11 +405,12 @@ def runner(mode: str, layer: Layer, native: NativeMoEBlock, x: torch.Tensor, gra
     graph.replay()
     captured = _gradients(layer, native, static_out, leaf)
     state = {"graph": graph}
+    del graph
 
     def release():
         state.clear()  # the graph holds NCCL resources that the group's shutdown frees
 
-    return Runner("graph", graph.replay, None, None, lambda: captured, release)
+    return Runner("graph", lambda: state["graph"].replay(), None, None, lambda: captured, release)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -526,7 +527,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             })
         for run in runners:
             run.release()
-        del runners
+        # Nothing may keep a captured graph past here: it holds NCCL resources the groups' shutdown frees.
+        runners.clear()
+        run = got = None
 
     exposed = []
     for mode in args.modes:
