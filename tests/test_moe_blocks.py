@@ -205,59 +205,66 @@ def test_copy_parameters_checks_names_and_shapes():
     assert torch.equal(a.weight, c.weight) and torch.equal(a.bias, c.bias)
 
 
-def _run_bench(tmp_path, *extra):
+def _run_bench(tmp_path, *extra, timeout=TIMEOUT_S):
     csv_path = tmp_path / "moe_layer.csv"
     output = run_torchrun(REPO / "benchmarks" / "bench_moe_layer.py", "--device", "cpu", "--warmup", "1",
-                          "--iters", "2", "--csv", str(csv_path), *extra, nprocs=WORLD, timeout=TIMEOUT_S, cwd=tmp_path,
+                          "--iters", "2", "--csv", str(csv_path), *extra, nprocs=WORLD, timeout=timeout, cwd=tmp_path,
                           OMP_NUM_THREADS="1")
     with open(csv_path) as f:
         rows = list(csv.DictReader(f))
     return output, rows
 
 
+def _blocks(rows):
+    return [(r["block"], r["backend"], r["mode"]) for r in rows]
+
+
 def test_bench_moe_layer_cpu(tmp_path):
+    """te.MoE (default capacity: the worst case) against the native block, and its compute-only stand-in."""
     output, rows = _run_bench(tmp_path)
     assert "fwd+bwd ms" in output and "tokens/s/GPU" in output, output
+    assert "normalize_weights=False (te.MoE's default)" in output, output
     for q in QUANTITIES:
         assert any(line.split()[:len(q.split())] == q.split() and line.rstrip().endswith("ok")
                    for line in output.splitlines()), f"no passing verify line for {q!r}:\n{output}"
+    assert "verify te_ep[reference, eager] vs native" in output, output
     assert "MISMATCH" not in output and "FAILED" not in output, output
-    assert [(r["block"], r["backend"]) for r in rows] == [
-        ("native", "-"), ("te_ep", "reference"), ("te_ep-default", "reference"), ("compute", "reference")]
+    assert _blocks(rows) == [("native", "-", "eager"), ("te_ep", "reference", "eager"),
+                             ("compute", "reference", "eager")]
     assert float(rows[0]["speedup"]) == 1.0
     assert all(float(r["step_ms"]) > 0 and float(r["tokens_per_s_per_gpu"]) > 0 for r in rows)
-    # The default-capacity row: the same block with the worst-case capacity.
-    assert int(rows[2]["capacity"]) > int(rows[1]["capacity"]), rows
-    te_ep, compute = rows[1], rows[3]
+    te_ep, compute = rows[1], rows[2]
+    # The default capacity (the stand-in gets the layer's).
+    assert int(te_ep["capacity"]) == int(compute["capacity"]) > 0, rows
     exposed = float(te_ep["exposed_comm_ms"])
     assert abs(exposed - (float(te_ep["step_ms"]) - float(compute["step_ms"]))) < 1e-9
-    assert (f"exposed comm te_ep[reference]: fwd+bwd {float(te_ep['step_ms']):.3f} - {float(compute['step_ms']):.3f}"
-            in output)
+    assert abs(float(te_ep["exposed_comm_pct"]) - 100 * exposed / float(te_ep["step_ms"])) < 1e-6
+    assert (f"exposed comm te_ep[reference, eager] = te_ep time - compute-only time: fwd+bwd "
+            f"{float(te_ep['step_ms']):.3f} - {float(compute['step_ms']):.3f}" in output), output
+    assert f"({float(te_ep['exposed_comm_pct']):.1f}% of the te_ep step" in output, output
 
 
-def test_bench_moe_layer_cpu_shared_expert_and_overlap(tmp_path):
-    """--shared-ffn gives every block a shared expert (verified: its three gradients too);
-    --overlap adds the overlapped te_ep block (sequential on CPU, same results)."""
-    output, rows = _run_bench(tmp_path, "--overlap", "--shared-ffn", "24")
+def test_bench_moe_layer_cpu_shared_expert_overlap_and_capacity(tmp_path):
+    """--shared-ffn gives both layers the same shared expert (verified: its three gradients too);
+    --overlap adds MoE(overlap=True) (sequential on CPU, same results); --capacity-headroom sizes
+    the handles for this routing and adds the default-capacity row."""
+    output, rows = _run_bench(tmp_path, "--overlap", "--shared-ffn", "24", "--capacity-headroom", "1.1")
     for q in ("grad shared_gate", "grad shared_up", "grad shared_down"):
         assert sum(line.split()[:2] == q.split() and line.rstrip().endswith("ok") for line in output.splitlines()) == 3, (
-            f"{q} not verified for the three te_ep blocks:\n{output}")
+            f"{q} not verified for the three te_ep layers:\n{output}")
     assert "MISMATCH" not in output and "FAILED" not in output, output
-    assert [(r["block"], r["backend"]) for r in rows] == [
-        ("native", "-"), ("te_ep", "reference"), ("te_ep-default", "reference"), ("te_ep-overlap", "reference"),
-        ("compute", "reference")]
-    assert "exposed comm te_ep-overlap[reference]" in output, output
+    assert [r["block"] for r in rows] == ["native", "te_ep", "te_ep-default", "te_ep-overlap", "compute"]
+    assert int(rows[2]["capacity"]) > int(rows[1]["capacity"]) == int(rows[3]["capacity"]), rows
+    assert "exposed comm te_ep-overlap[reference, eager]" in output, output
 
 
 def test_bench_moe_layer_cpu_fp8(tmp_path):
-    """--fp8 adds an FP8-dispatch block per backend, verified against native with the FP8 tolerance."""
+    """--fp8 adds MoE(dispatch_dtype="fp8") per backend, verified against native with the FP8 tolerance."""
     output, rows = _run_bench(tmp_path, "--fp8", "--hidden", "128")
-    assert "verify te_ep-fp8[reference] vs native (relative L2 tolerance 0.08" in output, output
+    assert "verify te_ep-fp8[reference, eager] vs native (relative L2 tolerance 0.08" in output, output
     assert "MISMATCH" not in output and "FAILED" not in output, output
-    assert [(r["block"], r["backend"]) for r in rows] == [
-        ("native", "-"), ("te_ep", "reference"), ("te_ep-default", "reference"), ("te_ep-fp8", "reference"),
-        ("compute", "reference")]
-    assert "exposed comm te_ep-fp8[reference]" in output, output
+    assert [r["block"] for r in rows] == ["native", "te_ep", "te_ep-fp8", "compute"]
+    assert "exposed comm te_ep-fp8[reference, eager]" in output, output
 
 
 def test_bench_moe_layer_cpu_bf16_grouped_mm(tmp_path):
@@ -265,13 +272,47 @@ def test_bench_moe_layer_cpu_bf16_grouped_mm(tmp_path):
                               "--alignment", "8", "--top-k", "3")
     assert "resolves to reference, already measured" in output, output
     assert "MISMATCH" not in output, output
-    assert [r["gemm"] for r in rows] == ["grouped_mm"] * 4
-    assert [r["dtype"] for r in rows] == ["bf16"] * 4
+    assert [r["gemm"] for r in rows] == ["grouped_mm"] * 3
+    assert [r["dtype"] for r in rows] == ["bf16"] * 3
+    assert [r["alignment"] for r in rows] == ["8"] * 3
 
 
 def test_bench_moe_layer_cpu_without_compute_only(tmp_path):
     output, rows = _run_bench(tmp_path, "--no-compute-only")
-    assert [r["block"] for r in rows] == ["native", "te_ep", "te_ep-default"] and "exposed comm" not in output, output
+    assert [r["block"] for r in rows] == ["native", "te_ep"] and "exposed comm" not in output, output
+
+
+def test_bench_moe_layer_cpu_compile(tmp_path):
+    """The compile mode: te.MoE and its stand-in under torch.compile(fullgraph=True), verified
+    against native; native (not traceable in one graph) timed eager, labelled and noted."""
+    output, rows = _run_bench(tmp_path, "--modes", "compile", "--iters", "1", timeout=3 * TIMEOUT_S)
+    assert "verify te_ep[reference, compile] vs native" in output, output
+    assert "MISMATCH" not in output and "FAILED" not in output, output
+    assert _blocks(rows) == [("native", "-", "eager*"), ("te_ep", "reference", "compile"),
+                             ("compute", "reference", "compile")]
+    assert "note: native: torch.compile(fullgraph=True) cannot trace it" in output, output
+    assert "exposed comm te_ep[reference, compile]" in output, output
+
+
+def test_bench_moe_layer_cpu_refuses_what_it_cannot_run(tmp_path):
+    """--cuda-graph needs GPUs; --chunks N != 1 needs EpOptions.chunks (the row is built with
+    te.EpOptions(chunks=N)): without the field the run stops before starting, naming it."""
+    script = REPO / "benchmarks" / "bench_moe_layer.py"
+    env = subprocess_env(CUDA_VISIBLE_DEVICES="")
+    graph = subprocess.run([sys.executable, str(script), "--device", "cpu", "--cuda-graph"], cwd=tmp_path, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
+    assert graph.returncode == 2 and "needs --device cuda" in graph.stdout, graph.stdout
+    import dataclasses
+
+    if "chunks" in {f.name for f in dataclasses.fields(te.EpOptions)}:
+        output, rows = _run_bench(tmp_path, "--chunks", "1,2", "--no-compute-only")
+        assert [r["block"] for r in rows] == ["native", "te_ep", "te_ep-chunks2"], output
+        assert "verify te_ep-chunks2[reference, eager] vs native" in output and "MISMATCH" not in output, output
+    else:
+        chunks = subprocess.run([sys.executable, str(script), "--device", "cpu", "--chunks", "1,2"], cwd=tmp_path,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                timeout=TIMEOUT_S)
+        assert chunks.returncode == 2 and "has no 'chunks' field" in chunks.stdout, chunks.stdout
 
 
 # ---- benchmarks/bench_quantize.py (one process, --device cpu) ----------------------------------

@@ -10,8 +10,10 @@
   returns a fixed-size expert-major buffer with on-device zone sizes, the
   grouped GEMM runs straight on it, and ``ep_combine`` brings the rows back.
 
-Both blocks: a replicated float32 router (softmax, top-k, weights normalised
-to sum 1 over the k choices), ``E / W`` SwiGLU experts per rank with stacked
+Both blocks: a replicated float32 router (softmax, top-k; with
+``MoEConfig.normalize_weights``, the default, the k weights are normalised to sum 1,
+without it they are the softmax scores themselves, as in ``te_ep_torch.moe.TopKRouter``'s
+softmax default), ``E / W`` SwiGLU experts per rank with stacked
 weights ``w_gate, w_up [E_local, H, F]`` and ``w_down [E_local, F, H]``, and
 ``y[t] = sum_k w[t, k] * expert_{idx[t, k]}(x[t])``, where the weighting is a
 multiply in the token dtype and the sum accumulates in float32. Expert ``e``'s
@@ -25,9 +27,13 @@ sizes; any device and dtype); ``gemm="auto"`` picks the grouped GEMM where
 :func:`te_ep_torch.moe.grouped_mm_supported` says it has a fast kernel, the
 decision :class:`te_ep_torch.moe.MoE` makes too.
 
-Used by docs/tutorial.md, benchmarks/bench_moe_layer.py and tests/test_moe_blocks.py:
+Used by docs/tutorial.md, benchmarks/timeline.py and tests/test_moe_blocks.py:
 ``from te_ep_torch.testing.moe_blocks import NativeMoEBlock, TeEpMoEBlock`` (and
 ``ComputeOnlyMoEBlock``, the EP block's compute-only stand-in).
+benchmarks/bench_moe_layer.py times :class:`te_ep_torch.moe.MoE` itself against
+:class:`NativeMoEBlock`: :func:`copy_parameters_to_moe` and :func:`moe_gradients` map the
+native block's parameters onto the layer's (:data:`MOE_PARAMETERS`), and
+:class:`ComputeOnlyMoE` is the layer's compute-only stand-in.
 """
 
 from __future__ import annotations
@@ -49,7 +55,12 @@ from ..step import EpStep
 from ..zones import expert_ffn, zone_scale
 
 __all__ = [
+    "ComputeOnlyMoE",
+    "ComputeOnlyMoEBlock",
+    "MOE_PARAMETERS",
+    "copy_parameters_to_moe",
     "fwd_bwd",
+    "moe_gradients",
     "GEMMS",
     "MoEConfig",
     "NativeMoEBlock",
@@ -74,6 +85,10 @@ class MoEConfig:
     # Inner width of a dense SwiGLU shared expert every token also goes through
     # (its output is added unweighted); 0 = none.
     shared_ffn: int = 0
+    # Rescale each token's k routing weights to sum to 1. te_ep_torch.moe.TopKRouter's
+    # default for softmax scores is False (the weights are the scores): pass
+    # normalize_weights=moe.router.normalize_weights to compute what a MoE computes.
+    normalize_weights: bool = True
 
 
 def resolve_gemm(gemm: str, device: torch.device, dtype: torch.dtype, *dims: int) -> str:
@@ -170,7 +185,9 @@ class _MoEBase(torch.nn.Module):
         """``(topk_weights [T, K] float32, topk_idx [T, K] int64)``."""
         scores = F.linear(x.float(), self.router).softmax(dim=-1)
         topk_weights, topk_idx = scores.topk(self.config.top_k, dim=-1)
-        return topk_weights / topk_weights.sum(dim=-1, keepdim=True), topk_idx
+        if self.config.normalize_weights:
+            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+        return topk_weights, topk_idx
 
     def _zone_experts(self, tokens: Tensor, expert_counts: Tensor) -> Tensor:
         """The experts on expert-major rows in ``E_local`` zones of ``expert_counts`` rows:
@@ -433,6 +450,99 @@ class ComputeOnlyMoEBlock(_MoEBase):
         )
         y = zone_scale(self._zone_experts(rows, perm_map.expert_counts), row_weights, perm_map.expert_counts)
         return self._with_shared(unpermute(y, perm_map), x)
+
+
+# NativeMoEBlock / TeEpMoEBlock parameter -> (the te_ep_torch.moe.MoE parameter holding the
+# same values, whether it holds them transposed: the shared expert's nn.Linear weights are
+# [out, in], the blocks' matrices [in, out]). The experts are this rank's in both.
+MOE_PARAMETERS = {
+    "router": ("router.weight", False),
+    "w_gate": ("experts.w_gate", False),
+    "w_up": ("experts.w_up", False),
+    "w_down": ("experts.w_down", False),
+    "shared_gate": ("shared_expert.gate.weight", True),
+    "shared_up": ("shared_expert.up.weight", True),
+    "shared_down": ("shared_expert.down.weight", True),
+}
+
+
+def _moe_parameter_pairs(block: torch.nn.Module, moe: torch.nn.Module):
+    """``(block name, block parameter, MoE parameter, transposed)`` for every parameter of ``block``."""
+    theirs = dict(moe.named_parameters())
+    pairs = []
+    for name, p in block.named_parameters():
+        if name not in MOE_PARAMETERS:
+            raise ValueError(f"{name}: not a parameter MOE_PARAMETERS maps onto te_ep_torch.moe.MoE")
+        target, transposed = MOE_PARAMETERS[name]
+        if target not in theirs:
+            raise ValueError(f"{name}: the MoE has no parameter {target} (shared expert on one side only?)")
+        pairs.append((name, p, theirs[target], transposed))
+    extra = set(theirs) - {MOE_PARAMETERS[name][0] for name, _ in block.named_parameters()}
+    if extra:
+        raise ValueError(f"the MoE has parameters the block lacks: {sorted(extra)}")
+    return pairs
+
+
+@torch.no_grad()
+def copy_parameters_to_moe(src: torch.nn.Module, moe: torch.nn.Module) -> None:
+    """Copies a native block's parameters into a :class:`te_ep_torch.moe.MoE` with the same
+    sizes and this rank's experts (plain local tensors, as ``enable_expert_parallel`` takes
+    them), so that the two compute the same function (with ``config.normalize_weights`` equal
+    to the MoE router's ``normalize_weights``)."""
+    for name, p, q, transposed in _moe_parameter_pairs(src, moe):
+        value = p.t() if transposed else p
+        if q.shape != value.shape:
+            raise ValueError(f"{name} -> {MOE_PARAMETERS[name][0]}: shape {list(value.shape)} vs {list(q.shape)}")
+        q.copy_(value)
+
+
+def moe_gradients(moe: torch.nn.Module, block: torch.nn.Module) -> Dict[str, Tensor]:
+    """The MoE's parameter gradients under ``block``'s names and layouts (``"grad router"``,
+    ...; None -> zeros): what :func:`fwd_bwd` of ``block`` returns for its own."""
+    result = {}
+    for name, p, q, transposed in _moe_parameter_pairs(block, moe):
+        grad = q.grad if q.grad is not None else torch.zeros_like(q)
+        result[f"grad {name}"] = grad.t() if transposed else grad
+    return result
+
+
+class ComputeOnlyMoE(torch.nn.Module):
+    """A :class:`te_ep_torch.moe.MoE` with expert parallelism and no communication: its
+    compute-only time.
+
+    The layer's own router, experts (this rank's), weighting (``zone_scale``) and shared
+    expert, forward and backward, with ``ep_dispatch`` / ``ep_combine`` replaced by local
+    stand-ins of the same shapes: each choice goes to local expert ``topk_idx %
+    num_local_experts`` (``te.permute`` into ``capacity`` expert-major rows with the layer's
+    zone alignment, so the experts see ``[capacity, H]`` rows in ``num_local_experts`` zones,
+    as after dispatch) and ``te.unpermute`` brings the rows back. It shares the layer's
+    parameters. Its outputs are not the layer's (the experts differ): timed, not verified.
+
+    Args:
+        moe: the layer (expert weights: this rank's experts).
+        capacity: rows of the expert-major buffer (the layer's handle capacity); raised to
+            this rank's ``T * top_k`` rows plus the worst-case padding where smaller.
+    """
+
+    def __init__(self, moe: torch.nn.Module, capacity: Optional[int] = None) -> None:
+        super().__init__()
+        self.moe = moe
+        self.capacity = capacity
+
+    def forward(self, x: Tensor) -> Tensor:
+        moe = self.moe
+        tokens = x.reshape(-1, moe.hidden)
+        routing = moe.router(tokens)
+        e_local = moe.experts.w_gate.shape[0]
+        alignment = moe.zone_alignment(tokens.device, tokens.dtype)
+        need = tokens.shape[0] * moe.top_k + e_local * (alignment - 1)
+        capacity = need if self.capacity is None else max(self.capacity, need)
+        rows, row_weights, perm_map = permute(tokens, routing.topk_idx % e_local, routing.topk_weights,
+                                              num_experts=e_local, capacity=capacity, alignment=alignment)
+        y = unpermute(moe._weighted_experts(rows, row_weights, perm_map.expert_counts), perm_map)
+        if moe.shared_expert is not None:
+            y = y + moe.shared_expert(tokens)
+        return y.reshape(x.shape)
 
 
 @torch.no_grad()
