@@ -345,3 +345,19 @@ def test_overlap_record_stream_gpu(op, record):
     if op == "dispatch":
         need_nccl_ep()
     run_workers(_worker_record_stream, 1, timeout=300, device="cuda", op=op, record=record)
+
+
+def test_overlap_module_functions_are_deprecated():
+    """``overlap.launch`` / ``join`` / ``overlapped`` still work (0.3) and say what replaces them:
+    the EP step owns when a layer's ops fork and join (te_ep_torch.step)."""
+    from te_ep_torch import overlap
+
+    t = torch.ones(3)
+    with pytest.warns(FutureWarning, match=r"overlap\.launch is deprecated and will be removed in 0\.4: call "
+                                           r"CommStream\.launch"):
+        out = overlap.launch(None, lambda: t * 2, (t,))
+    with pytest.warns(FutureWarning, match=r"overlap\.join is deprecated"):
+        assert overlap.join(None, out) is out
+    with pytest.warns(FutureWarning, match=r"overlap\.overlapped is deprecated .*EpStep\.run"):
+        result, side = overlap.overlapped(None, lambda: t + 1, (t,), meanwhile=lambda: "side")
+    assert torch.equal(out, t * 2) and torch.equal(result, t + 1) and side == "side"
