@@ -51,32 +51,5 @@ from .fp8 import FP8_BLOCK, dequantize_fp8, quantize_fp8
 from .watchdog import watchdog_state  # noqa: F401  (public, not in __all__, as before)
 from .zones import scale_into_window
 
-__all__ = [
-    "create_handle",
-    "destroy_handle",
-    "live_handles",
-    "handle_info",
-    "combine_buffer",
-    "check_mode",
-    "check_handle",
-    "worst_case_capacity",
-    "prepare",
-    "dispatch",
-    "prepare_dispatch",
-    "dispatch_fp8",
-    "prepare_dispatch_fp8",
-    "combine",
-    "dispatch_bwd",
-    "combine_bwd",
-    "quantize_fp8",
-    "dequantize_fp8",
-    "FP8_BLOCK",
-    # new homes (te_ep_torch.autograd before; te_ep_torch.zones.weighted_for_combine)
-    "DispatchOutput",
-    "Fp8DispatchOutput",
-    "ep_prepare",
-    "ep_dispatch",
-    "ep_dispatch_fp8",
-    "ep_combine",
-    "scale_into_window",
-]
+# The families' public names; handle_config_error stays public but out of __all__, as before.
+__all__ = [name for name in comm.__all__ if name != "handle_config_error"] + fp8.__all__ + zones.__all__
