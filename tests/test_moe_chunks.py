@@ -169,6 +169,16 @@ def _worker_schedule_and_errors(ctx) -> None:
     if rank == 0:
         assert f"has 60 tokens, more than max_tokens_per_rank={MAX_TOKENS}" in str(info.value), repr(info.value)
 
+    # The chunk group is the parent's sibling: the same ranks and options, shut down with it.
+    group = model.ep_group
+    sibling = group.with_max_tokens(-(-MAX_TOKENS // n))
+    assert group.with_max_tokens(MAX_TOKENS) is group
+    assert (sibling.group_name, sibling.backend, sibling.checks, sibling.nccl_ep_mode) == (
+        group.group_name, group.backend, group.checks, group.nccl_ep_mode)
+    assert model.ep_step.chunk_handles[torch.float32][0].group is sibling
+    group.shutdown()
+    assert sibling.closed and all(not h.alive for h in model.ep_step.chunk_handles[torch.float32])
+
 
 @pytest.mark.parametrize("nprocs", [2, 4])
 def test_chunked_layer_matches_unchunked(nprocs):
