@@ -283,15 +283,15 @@ def test_bench_moe_layer_cpu_without_compute_only(tmp_path):
 
 
 def test_bench_moe_layer_cpu_compile(tmp_path):
-    """The compile mode: te.MoE and its stand-in under torch.compile(fullgraph=True), verified
-    against native; native (not traceable in one graph) timed eager, labelled and noted."""
-    output, rows = _run_bench(tmp_path, "--modes", "compile", "--iters", "1", timeout=3 * TIMEOUT_S)
+    """The compile mode: te.MoE under torch.compile(fullgraph=True), verified against native;
+    native (not traceable in one graph) timed eager, labelled and noted. Without the compute-only
+    stand-in, whose compilation would double the test's time (the eager tests cover its row)."""
+    output, rows = _run_bench(tmp_path, "--modes", "compile", "--iters", "1", "--no-compute-only",
+                              timeout=3 * TIMEOUT_S)
     assert "verify te_ep[reference, compile] vs native" in output, output
     assert "MISMATCH" not in output and "FAILED" not in output, output
-    assert _blocks(rows) == [("native", "-", "eager*"), ("te_ep", "reference", "compile"),
-                             ("compute", "reference", "compile")]
+    assert _blocks(rows) == [("native", "-", "eager*"), ("te_ep", "reference", "compile")]
     assert "note: native: torch.compile(fullgraph=True) cannot trace it" in output, output
-    assert "exposed comm te_ep[reference, compile]" in output, output
 
 
 def test_bench_moe_layer_cpu_refuses_what_it_cannot_run(tmp_path):
