@@ -36,6 +36,8 @@ expert, ``y[t] = sum_k w[t, k] * expert_{idx[t, k]}(x[t])``. Rows:
 * ``te_ep-chunksN`` (--chunks N, each N != 1) ``te.MoE`` enabled with
   ``options=te.EpOptions(chunks=N)`` (and the run's capacity option); needs a te_ep_torch
   whose EpOptions has ``chunks``, else the run stops at once saying so;
+* ``te_ep-chunksN-smsK`` (--comm-sms K, each K != 0) the same with ``comm_sms=K``: the chunks'
+  expert GEMMs leave K SMs to the communication kernels beside them;
 * ``compute`` after each backend's te_ep layer (unless --no-compute-only):
   ``ComputeOnlyMoE``, the same MoE's router, experts, weighting and shared expert with
   dispatch and combine replaced by local stand-ins of the same shapes (``te.permute`` of
@@ -159,6 +161,16 @@ def _mode_list(text: str) -> List[str]:
     return values
 
 
+def _sms_list(text: str) -> List[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers >= 0, got {text!r}")
+    return values
+
+
 def has_chunks_option() -> bool:
     """Whether this te_ep_torch's EpOptions has the ``chunks`` field (--chunks N != 1 needs it)."""
     return "chunks" in {f.name for f in dataclasses.fields(te.EpOptions)}
@@ -198,6 +210,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--chunks", type=_int_list, default=[1],
                         help="comma-separated chunk counts; each N != 1 adds a te_ep-chunksN row "
                              "(te.MoE with options=te.EpOptions(chunks=N)); default 1")
+    parser.add_argument("--comm-sms", type=_sms_list, default=[0],
+                        help="comma-separated SM counts the chunked rows' GEMMs leave to the communication "
+                             "(te.EpOptions(comm_sms=K)); each K != 0 adds a te_ep-chunksN-smsK row per N; default 0")
     parser.add_argument("--warmup", type=int, help="untimed steps per measurement (default 10; cpu 1)")
     parser.add_argument("--iters", type=int, help="timed steps per measurement (default 30; cpu 3)")
     parser.add_argument("--no-compute-only", action="store_true",
@@ -255,7 +270,8 @@ def fit_capacity(block: NativeMoEBlock, x: torch.Tensor, args, group: te.EpGroup
 
 
 def make_moe(args, group: te.EpGroup, native: NativeMoEBlock, dtype: torch.dtype, *, fp8: bool = False,
-             overlap: bool = False, chunks: int = 1, handle: Optional[Dict[str, object]] = None) -> te.MoE:
+             overlap: bool = False, chunks: int = 1, comm_sms: int = 0,
+             handle: Optional[Dict[str, object]] = None) -> te.MoE:
     """``te.MoE`` as a user builds it (default arguments but the bench's sizes and options),
     this rank's experts kept, expert parallelism enabled over ``group``, the native block's
     parameters copied in."""
@@ -270,7 +286,8 @@ def make_moe(args, group: te.EpGroup, native: NativeMoEBlock, dtype: torch.dtype
         setattr(moe.experts, name, torch.nn.Parameter(w.detach()[first : first + local].clone()))
     handle = dict(handle or {})
     if chunks != 1:  # only then: EpOptions(chunks=...) needs a te_ep_torch that has the field
-        moe.enable_expert_parallel(group, options=te.EpOptions(chunks=chunks, **handle))
+        moe.enable_expert_parallel(group, options=te.EpOptions(chunks=chunks, **handle,
+                                                               **({"comm_sms": comm_sms} if comm_sms else {})))
     else:
         moe.enable_expert_parallel(group, **handle)
     copy_parameters_to_moe(native, moe)
@@ -471,9 +488,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             variants.append(("te_ep-fp8", make_moe(args, group, native, dtype, fp8=True, handle=handle),
                              FP8_TOLERANCE))
         for n in args.chunks:
-            if n != 1:
-                variants.append((f"te_ep-chunks{n}", make_moe(args, group, native, dtype, chunks=n, handle=handle),
-                                 tol))
+            for sms in args.comm_sms if n != 1 else ():
+                variants.append((f"te_ep-chunks{n}" + (f"-sms{sms}" if sms else ""),
+                                 make_moe(args, group, native, dtype, chunks=n, comm_sms=sms, handle=handle), tol))
         for name, moe, tolerance in variants:
             layers.append(Layer(name, group.backend, moe, moe.handles[dtype].config.capacity,
                                 moe.experts.resolved_impl(device, dtype), tolerance, capturable))

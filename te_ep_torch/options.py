@@ -76,6 +76,11 @@ class EpOptions:
             forward and backward. ``1`` (default): one dispatch and one combine per step.
             ``capacity`` and ``capacity_factor`` keep meaning the whole step's receive rows:
             each chunk's handle gets its share (docs/moe.md, "Chunked step").
+        comm_sms: SMs that the experts' GEMMs of a chunked step leave free while they run beside
+            its communication kernels, in forward and backward (torch's SM carveout for its
+            persistent GEMMs, ``torch._grouped_mm`` and cuBLAS: a GEMM that holds every SM keeps
+            NCCL EP's kernels from starting until it ends). ``0`` (default): none. Used on CUDA
+            with ``chunks`` > 1; compiled layers run sequentially and ignore it.
     """
 
     backend: str = "auto"
@@ -86,6 +91,7 @@ class EpOptions:
     capacity_factor: Optional[float] = None
     overflow: str = "raise"
     chunks: int = 1
+    comm_sms: int = 0
 
     def __post_init__(self) -> None:
         self.validate("EpOptions")
@@ -113,6 +119,9 @@ class EpOptions:
         chunks = self.chunks
         if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
             raise ValueError(f"{what}: chunks must be an int >= 1 (1: an unchunked step), got {chunks!r}")
+        sms = self.comm_sms
+        if not isinstance(sms, int) or isinstance(sms, bool) or sms < 0:
+            raise ValueError(f"{what}: comm_sms must be an int >= 0 (0: the GEMMs keep every SM), got {sms!r}")
 
     @classmethod
     def build(cls, what: str, **fields: Any) -> "EpOptions":

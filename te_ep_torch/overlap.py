@@ -74,10 +74,24 @@ class CommStream:
                 _record_stream(t, self.stream)
         return result
 
-    def join(self, outputs: Iterable[Optional[Tensor]]) -> None:
-        """The current stream waits for the launched work; its ``outputs`` become usable there."""
+    def record(self) -> torch.cuda.Event:
+        """An event recorded on the communication stream now: behind the work launched so far and
+        ahead of any launched later (what :meth:`join`'s ``after`` waits for)."""
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def join(self, outputs: Iterable[Optional[Tensor]], after: Optional[torch.cuda.Event] = None) -> None:
+        """The current stream waits for the launched work; its ``outputs`` become usable there.
+
+        ``after``: the :meth:`record` event taken right behind that work, so the wait ends there
+        and not behind work launched since (a chunked step's next combine); ``None``: behind
+        everything launched so far."""
         current = torch.cuda.current_stream(self.device)
-        current.wait_stream(self.stream)
+        if after is None:
+            current.wait_stream(self.stream)
+        else:
+            current.wait_event(after)
         for t in outputs:
             if t is not None and t.is_cuda:
                 _record_stream(t, current)
@@ -105,15 +119,15 @@ def launch(comm: Optional[CommStream], fn: Callable[[], T], inputs: Iterable[Opt
     """Deprecated: :meth:`CommStream.launch` (``fn()`` at once where there is no stream), or
     :class:`te_ep_torch.step.EpStep`, which owns when a layer's ops fork and join."""
     _deprecated("launch", "call CommStream.launch, or let te_ep_torch.step.EpStep run the step")
-    from .step import launch as step_launch
-    return step_launch(comm, fn, inputs)
+    return fn() if comm is None else comm.launch(fn, inputs)
 
 
 def join(comm: Optional[CommStream], result: T) -> T:
     """Deprecated: :meth:`CommStream.join`, or :class:`te_ep_torch.step.EpStep`."""
     _deprecated("join", "call CommStream.join, or let te_ep_torch.step.EpStep run the step")
-    from .step import join as step_join
-    return step_join(comm, result)
+    if comm is not None:
+        comm.join(_tensors(result))
+    return result
 
 
 def overlapped(comm: Optional[CommStream], fn: Callable[[], T], inputs: Iterable[Optional[Tensor]],
@@ -121,7 +135,17 @@ def overlapped(comm: Optional[CommStream], fn: Callable[[], T], inputs: Iterable
     """Deprecated: ``fn()`` on the communication stream while ``meanwhile()`` runs on the
     current one, then the join (``EpStep.run``'s ``behind_dispatch`` does this for a layer)."""
     _deprecated("overlapped", "use te_ep_torch.step.EpStep.run(..., behind_dispatch=...)")
-    from .step import join as step_join, launch as step_launch
-    result = step_launch(comm, fn, inputs)
+    result = fn() if comm is None else comm.launch(fn, inputs)
     side = meanwhile() if meanwhile is not None else None
-    return step_join(comm, result), side
+    if comm is not None:
+        comm.join(_tensors(result))
+    return result, side
+
+
+def _tensors(result: object) -> Tuple[Optional[Tensor], ...]:
+    """The tensors of launched work's result: itself, or the tensor fields of a tuple."""
+    if isinstance(result, Tensor):
+        return (result,)
+    if isinstance(result, tuple):
+        return tuple(t for t in result if isinstance(t, Tensor))
+    raise TypeError(f"te_ep_torch: launched work must return a tensor or a tuple of tensors, got {type(result)}")

@@ -39,7 +39,7 @@ eagerly (collective), never while tracing or capturing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple, TypeVar, Union
 
 import torch
 from torch import Tensor
@@ -48,6 +48,7 @@ from .group import EpGroup, EpHandle
 from .ops.comm import Fp8DispatchOutput, ep_combine, ep_dispatch, ep_dispatch_fp8, ep_prepare
 from .ops.zones import scale_into_window
 from .options import EpOptions
+from .overlap import _tensors
 
 if TYPE_CHECKING:
     from .overlap import CommStream
@@ -69,30 +70,36 @@ def check_eager(name: str, dtype: torch.dtype, have, hint: str) -> None:
                            f"(have {sorted(map(str, have))}); {hint}")
 
 
-def _tensors(result: object) -> Tuple[Optional[Tensor], ...]:
-    """The tensors of a launched function's result: itself, or the tensor fields of a tuple
-    (a ``NamedTuple`` such as ``DispatchOutput`` included)."""
-    if isinstance(result, Tensor):
-        return (result,)
-    if isinstance(result, tuple):
-        return tuple(t for t in result if isinstance(t, Tensor))
-    raise TypeError(f"te_ep_torch: launched work must return a tensor or a tuple of tensors, got {type(result)}")
+class Launched(NamedTuple):
+    """Work :func:`launch` queued on a communication stream: its ``result`` (not usable on the
+    current stream before :func:`join`) and ``done``, the event recorded on that stream right
+    behind it (:meth:`CommStream.record`)."""
+
+    result: Any
+    done: Any
 
 
-def launch(comm: Optional["CommStream"], fn: Callable[[], T], inputs: Iterable[Optional[Tensor]]) -> T:
+def launch(comm: Optional["CommStream"], fn: Callable[[], T], inputs: Iterable[Optional[Tensor]]):
     """``fn()`` on ``comm`` (:meth:`CommStream.launch`: after the current stream's queued work;
-    ``inputs``, the tensors ``fn`` reads, are recorded there), or at once where ``comm`` is
-    ``None``. The result is not usable on the current stream before :func:`join`."""
-    return fn() if comm is None else comm.launch(fn, inputs)
+    ``inputs``, the tensors ``fn`` reads, are recorded there) as a :class:`Launched`, or ``fn()``'s
+    result at once where ``comm`` is ``None``. Pass what it returns to :func:`join`."""
+    if comm is None:
+        return fn()
+    result = comm.launch(fn, inputs)
+    return Launched(result, comm.record())
 
 
-def join(comm: Optional["CommStream"], result: T) -> T:
-    """The join of :func:`launch`: the current stream waits for ``comm`` and the tensors of
-    ``result`` (a tensor or a tuple of tensors) are recorded there. Returns ``result``;
-    nothing to do where ``comm`` is ``None``."""
-    if comm is not None:
-        comm.join(_tensors(result))
-    return result
+def join(comm: Optional["CommStream"], launched):
+    """The join of :func:`launch`: the current stream waits for that work alone (its event: not
+    for work launched on ``comm`` since, such as a chunked step's previous combine) and the
+    tensors of its result are recorded there. Returns the result; where ``comm`` is ``None``,
+    ``launched`` is the result."""
+    if comm is None:
+        return launched
+    if not isinstance(launched, Launched):
+        raise TypeError(f"te_ep_torch: join(comm, ...) takes what launch(comm, ...) returned, got {type(launched)}")
+    comm.join(_tensors(launched.result), launched.done)
+    return launched.result
 
 
 def _deferred(bad: Optional[str], handle: EpHandle, op: Callable[[], T]) -> T:
@@ -104,6 +111,74 @@ def _deferred(bad: Optional[str], handle: EpHandle, op: Callable[[], T]) -> T:
         if bad is None:
             raise
         raise ValueError(f"{bad}\n(handle {handle.id} of group '{handle.group.group_name}')") from exc
+
+
+class _SmCarveout:
+    """torch's SM carveout for its persistent GEMMs (``torch._C._set_sm_carveout_experimental``),
+    held while a chunked step's experts run beside its communication: a persistent GEMM holds
+    every SM it is given until it ends, so a communication kernel queued behind it on another
+    stream cannot start, and its peers on the other ranks wait for it. Holds nest (``depth``);
+    the caller's own carveout comes back when the last one ends."""
+
+    depth = 0
+    saved: Optional[int] = None
+
+    @classmethod
+    def enter(cls, sms: int) -> None:
+        if cls.depth == 0:
+            cls.saved = torch._C._get_sm_carveout_experimental()
+            torch._C._set_sm_carveout_experimental(sms)
+        cls.depth += 1
+
+    @classmethod
+    def exit(cls) -> None:
+        if cls.depth == 0:
+            return  # already ended by end_of_backward
+        cls.depth -= 1
+        if cls.depth == 0:
+            torch._C._set_sm_carveout_experimental(cls.saved)
+
+    @classmethod
+    def end_of_backward(cls) -> None:
+        """Every hold ends with the backward pass (a region whose input needs no gradient has
+        no node to end its hold)."""
+        while cls.depth:
+            cls.exit()
+
+
+class _CarveoutMark(torch.autograd.Function):
+    """Identity; its backward starts (``start=True``: on a region's output) or ends (on its
+    input) an :class:`_SmCarveout` hold, so the region's backward GEMMs leave ``sms`` free."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, sms: int, start: bool) -> Tensor:
+        ctx.sms, ctx.start = sms, start
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        if ctx.start:
+            _SmCarveout.enter(ctx.sms)
+            torch.autograd.Variable._execution_engine.queue_callback(_SmCarveout.end_of_backward)
+        else:
+            _SmCarveout.exit()
+        return grad, None, None
+
+
+def _carved(experts: Callable[[Tensor, Tensor], Tensor], sms: int) -> Callable[[Tensor, Tensor], Tensor]:
+    """``experts`` whose GEMMs, forward and backward, leave ``sms`` SMs free (``0``: as it is)."""
+    if sms == 0:
+        return experts
+
+    def run(rows: Tensor, counts: Tensor) -> Tensor:
+        _SmCarveout.enter(sms)
+        try:
+            out = experts(_CarveoutMark.apply(rows, sms, False), counts)
+        finally:
+            _SmCarveout.exit()
+        return _CarveoutMark.apply(out, sms, True)
+
+    return run
 
 
 class Dispatched(NamedTuple):
@@ -388,6 +463,8 @@ class EpStep:
         if not launched:
             raise RuntimeError(f"{self.name}: the router returned without calling on_weights: nothing was dispatched")
         side = behind_dispatch() if behind_dispatch is not None else None
+        if comm is not None and n > 1:
+            experts = _carved(experts, self.options.comm_sms)
         combined = []
         for c in range(n):
             d = self._joined(comm, launched[c], parts[c], handles[c])

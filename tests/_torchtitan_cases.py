@@ -54,7 +54,13 @@ from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher  #
 from torchtitan.protocols.module import Module, ModuleDict  # noqa: E402
 
 import te_ep_torch  # noqa: E402,F401
-from te_ep_torch.integrations.torchtitan import TeEpTokenDispatcher, te_ep_dispatcher, te_ep_experts  # noqa: E402
+from te_ep_torch.integrations.torchtitan import (  # noqa: E402
+    TeEpRoutedExperts,
+    TeEpTokenDispatcher,
+    te_ep_dispatcher,
+    te_ep_experts,
+    te_ep_routed_experts,
+)
 
 DIM, FFN, NUM_EXPERTS, TOP_K, SEQ = 32, 64, 8, 2, 24
 SCENARIOS = ("random", "uneven", "one_rank")
@@ -108,19 +114,21 @@ def _bias(scenario: str, ep: int) -> torch.Tensor:
     return bias
 
 
-def _moe_config(dispatcher_cfg, dim: int = DIM, te_experts: bool = True) -> MoE.Config:
+def _moe_config(dispatcher_cfg, dim: int = DIM, te_experts: bool = True, routed: bool = False) -> MoE.Config:
     # te_experts: TeEpGroupedExperts (what use_te_ep selects) on both sides, so that the
     # dispatchers are what differs (test_torchtitan.py holds TeEpGroupedExperts to
     # TorchTitan's GroupedExperts on its own); False: TorchTitan's GroupedExperts.
+    # routed: TeEpRoutedExperts (the te_ep_routed_experts override: te_ep's whole step), for
+    # this side only; False: TorchTitan's RoutedExperts calling dispatch and combine.
     experts_cfg = GroupedExperts.Config(dim=dim, hidden_dim=FFN, num_experts=NUM_EXPERTS)
     if te_experts:
         experts_cfg = te_ep_experts(experts_cfg)
+    routed_cfg = RoutedExperts.Config(inner_experts=experts_cfg, token_dispatcher=dispatcher_cfg)
+    if routed:
+        routed_cfg = te_ep_routed_experts(routed_cfg)
     cfg = MoE.Config(
         num_experts=NUM_EXPERTS,
-        routed_experts=RoutedExperts.Config(
-            inner_experts=experts_cfg,
-            token_dispatcher=dispatcher_cfg,
-        ),
+        routed_experts=routed_cfg,
         router=TokenChoiceTopKRouter.Config(
             num_experts=NUM_EXPERTS,
             gate=Linear.Config(in_features=dim, out_features=NUM_EXPERTS),
@@ -137,8 +145,8 @@ def _moe_config(dispatcher_cfg, dim: int = DIM, te_experts: bool = True) -> MoE.
 
 
 def _build(ctx, pd: ParallelDims, dispatcher_cfg, *, dtype: torch.dtype, bias: torch.Tensor, fsdp: bool,
-           dim: int = DIM, te_experts: bool = True) -> MoE:
-    cfg = _moe_config(dispatcher_cfg, dim, te_experts)
+           dim: int = DIM, te_experts: bool = True, routed: bool = False) -> MoE:
+    cfg = _moe_config(dispatcher_cfg, dim, te_experts, routed)
     device = torch.device(ctx.device)
     with torch.device(device):
         moe = cfg.build()
@@ -221,11 +229,14 @@ def case_parity(
     fp8: bool = False,
     capacity_factor: Optional[float] = None,
     te_experts: bool = True,
+    routed: bool = False,
+    chunks: int = 1,
 ):
     """Ours vs TorchTitan's all-to-all dispatcher on the same weights and batch.
 
+    ``routed``: ours runs TeEpRoutedExperts (te_ep's whole step), split into ``chunks``.
     Returns ``{"diffs": {tensor: {max_abs, ref_max, close_f32}}, "counts": [E],
-    "handle": str}`` of this rank.
+    "handle": str, "handles": [str]}`` of this rank (``handles``: one per chunk).
     """
     ep = ep or ctx.world_size
     torch_dtype = _DTYPES[dtype]
@@ -241,11 +252,15 @@ def case_parity(
         # Handles are created when the EP mesh is wired, before tracing: the sizes must be known.
         sizes = dict(hidden_dim=dim, num_max_tokens_per_rank=batch * SEQ, dtype=dtype)
     ours_cfg = te_ep_dispatcher(AllToAllTokenDispatcher.Config(num_experts=NUM_EXPERTS, top_k=TOP_K),
-                                backend=backend, fp8_dispatch=fp8, capacity_factor=capacity_factor, **sizes)
-    ours = _build(ctx, ours_pd, ours_cfg, dtype=torch_dtype, bias=bias, fsdp=fsdp, dim=dim, te_experts=te_experts)
+                                backend=backend, fp8_dispatch=fp8, capacity_factor=capacity_factor, chunks=chunks,
+                                **sizes)
+    ours = _build(ctx, ours_pd, ours_cfg, dtype=torch_dtype, bias=bias, fsdp=fsdp, dim=dim, te_experts=te_experts,
+                  routed=routed)
     dispatcher = ours.routed_experts.token_dispatcher
     if not isinstance(dispatcher, TeEpTokenDispatcher) or dispatcher.ep_mesh is None:
         raise AssertionError(f"the override did not give an EP-wired TeEpTokenDispatcher: {dispatcher!r}")
+    if routed != isinstance(ours.routed_experts, TeEpRoutedExperts):
+        raise AssertionError(f"routed={routed}, but the layer's routed experts are {type(ours.routed_experts)}")
     if compile and not dispatcher.handles():
         raise AssertionError("the handle should exist before compiling (sizes were given)")
     module = None
@@ -274,7 +289,23 @@ def case_parity(
         diffs[name + ".grad"] = _diff(our_g[name], ref_g[name])
     counts = _global_expert_counts(ref, x, ref_pd, ref_pd.get_mesh("ep").get_group())
     handle = repr(dispatcher.handles()[0])
-    return {"diffs": diffs, "counts": counts, "handle": handle, "ep": ep}
+    handles = [repr(h) for hs in dispatcher._step.chunk_handles.values() for h in hs]
+    return {"diffs": diffs, "counts": counts, "handle": handle, "handles": handles, "ep": ep}
+
+
+def case_chunks_need_routed_experts(ctx) -> Dict[str, str]:
+    """chunks=2 with TorchTitan's own RoutedExperts (dispatch, experts once, combine): every rank
+    raises before any collective, naming the override that runs a chunked step."""
+    pd = _parallel_dims(ctx, ctx.world_size, "partial_dtensor")
+    cfg = te_ep_dispatcher(AllToAllTokenDispatcher.Config(num_experts=NUM_EXPERTS, top_k=TOP_K),
+                           backend="reference" if ctx.device == "cpu" else "auto", chunks=2)
+    moe = _build(ctx, pd, cfg, dtype=torch.float32, bias=_bias("random", ctx.world_size), fsdp=False)
+    x = torch.randn(1, SEQ, DIM, device=ctx.device)
+    try:
+        _step(moe, x, pd)
+    except Exception as exc:  # noqa: BLE001 (reported to the test)
+        return {"type": type(exc).__name__, "message": str(exc)}
+    return {"type": "none", "message": ""}
 
 
 # ---- TorchTitan's own per-block torch.compile + FSDP2 ------------------------------------

@@ -305,9 +305,11 @@ def test_bench_moe_layer_cpu_refuses_what_it_cannot_run(tmp_path):
     import dataclasses
 
     if "chunks" in {f.name for f in dataclasses.fields(te.EpOptions)}:
-        output, rows = _run_bench(tmp_path, "--chunks", "1,2", "--no-compute-only")
-        assert [r["block"] for r in rows] == ["native", "te_ep", "te_ep-chunks2"], output
-        assert "verify te_ep-chunks2[reference, eager] vs native" in output and "MISMATCH" not in output, output
+        output, rows = _run_bench(tmp_path, "--chunks", "1,2", "--comm-sms", "0,8", "--no-compute-only")
+        assert [r["block"] for r in rows] == ["native", "te_ep", "te_ep-chunks2", "te_ep-chunks2-sms8"], output
+        for name in ("te_ep-chunks2", "te_ep-chunks2-sms8"):
+            assert f"verify {name}[reference, eager] vs native" in output, output
+        assert "MISMATCH" not in output, output
     else:
         chunks = subprocess.run([sys.executable, str(script), "--device", "cpu", "--chunks", "1,2"], cwd=tmp_path,
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -18,7 +18,7 @@ from _moe_common import assert_close, make_moe, need_gpus, run_workers
 MAX_TOKENS = 40
 
 
-def _build(ctx, mesh, n: int, dt, **kw):
+def _build(ctx, mesh, n: int, dt, comm_sms: int = 0, **kw):
     from torch.distributed.tensor.parallel import parallelize_module
 
     from te_ep_torch import EpOptions
@@ -27,7 +27,7 @@ def _build(ctx, mesh, n: int, dt, **kw):
     m = make_moe(seed=3, hidden=64, ffn=48, experts=8, top_k=2, shared_expert_ffn_hidden=32, dtype=dt,
                  aux_loss_coef=0.01, **kw).to(ctx.device)
     parallelize_module(m, mesh, ExpertParallel(max_tokens_per_rank=MAX_TOKENS,
-                                               options=EpOptions(backend=ctx.backend, chunks=n)))
+                                               options=EpOptions(backend=ctx.backend, chunks=n, comm_sms=comm_sms)))
     return m
 
 
@@ -38,13 +38,13 @@ def _grads(model):
             for name, p in model.named_parameters()}
 
 
-def _worker_chunks(ctx, dtype: str = "float32", chunks=(2, 3)) -> None:
+def _worker_chunks(ctx, dtype: str = "float32", chunks=(2, 3), comm_sms: int = 0) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device, dt = torch.device(ctx.device), getattr(torch, dtype)
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
-    layers = {n: _build(ctx, mesh, n, dt) for n in (1,) + tuple(chunks)}
+    layers = {n: _build(ctx, mesh, n, dt, comm_sms=comm_sms if n > 1 else 0) for n in (1,) + tuple(chunks)}
 
     # Handles: one per chunk, on a group of ceil(MAX_TOKENS / n) tokens; the receive rows of the
     # chunks together are the unchunked handle's (the worst case scales with the tokens).
@@ -99,15 +99,21 @@ def _worker_schedule_and_errors(ctx) -> None:
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
     n = 3
     model = _build(ctx, mesh, n, torch.float32)
-    log = []
+    log, events, joined = [], [], []
 
     class InlineStream:
         def launch(self, fn, inputs):
             log.append("launch")
             return fn()
 
-        def join(self, outputs):
+        def record(self):
+            # The event behind the latest launch, named by its launch's place.
+            events.append(len(events))
+            return events[-1]
+
+        def join(self, outputs, after=None):
             log.append("join")
+            joined.append(after)
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -133,6 +139,10 @@ def _worker_schedule_and_errors(ctx) -> None:
         moe_module.comm_stream_for = real
     marks = [e for e in forward if e in ("launch", "join")]
     assert marks == ["launch"] * n + ["join", "launch"] * n + ["join"] * n, marks
+    # Launches: dispatch 0..n-1, then combine c after chunk c's join. Each join waits for the
+    # event of its own launch, not for the stream's tail (chunk c+1's experts must not wait for
+    # combine c): dispatch c's event is c, combine c's is n + c.
+    assert joined == list(range(2 * n)), joined
     first_join = forward.index("join")
     assert [e for e in forward[:first_join] if e.startswith("te_ep.dispatch")] == ["te_ep.dispatch"] * n, forward
     # Between chunk c's join and its combine's launch: that chunk's experts and weighting, no
@@ -147,10 +157,45 @@ def _worker_schedule_and_errors(ctx) -> None:
     assert forward.count("te_ep.combine") == n
     assert backward.count("te_ep.combine_bwd") == n and backward.count("te_ep.dispatch_bwd") == n, backward
 
+    # comm_sms: the experts' GEMMs of each chunk run under torch's SM carveout, forward and
+    # backward (a probe inside the experts reads it), and the caller's setting comes back after.
+    carved = _build(ctx, mesh, n, torch.float32, comm_sms=8)
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx_, rows):
+            seen.append(("forward", torch._C._get_sm_carveout_experimental()))
+            return rows.view_as(rows)
+
+        @staticmethod
+        def backward(ctx_, grad):
+            seen.append(("backward", torch._C._get_sm_carveout_experimental()))
+            return grad
+
+    experts = carved.experts
+    experts_forward = experts.forward
+    experts.forward = lambda rows, counts: experts_forward(Probe.apply(rows), counts)
+    moe_module.comm_stream_for = lambda dev: InlineStream()
+    try:
+        x = torch.randn(30, 64, generator=torch.Generator().manual_seed(rank)).requires_grad_(True)
+        carved(x).square().sum().backward()
+        assert seen == [("forward", 8)] * n + [("backward", 8)] * n, seen
+        assert torch._C._get_sm_carveout_experimental() is None
+        seen.clear()
+        moe_module.comm_stream_for = real  # CPU: no communication stream, nothing overlaps, no carveout
+        carved(x).square().sum().backward()
+        assert seen == [("forward", None)] * n + [("backward", None)] * n, seen
+    finally:
+        moe_module.comm_stream_for = real
+
     # Bad arguments, each naming what is wrong.
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match=r"chunks must be an int >= 1"):
             EpOptions(chunks=bad)
+    for bad in (-1, 2.0, True, None):
+        with pytest.raises(ValueError, match=r"comm_sms must be an int >= 0"):
+            EpOptions(comm_sms=bad)
     with pytest.raises(ValueError, match=r"one chunk count per layer"):
         model.enable_expert_parallel(model.ep_group, dtype=torch.bfloat16, options=EpOptions(chunks=2))
     with pytest.raises(RuntimeError, match=r"chunks=3 runs through EpStep.run"):
@@ -192,6 +237,9 @@ def test_chunked_layer_schedule_and_errors():
 @pytest.mark.gpu
 @pytest.mark.quick
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_chunked_layer_matches_unchunked_gpu(dtype):
+@pytest.mark.parametrize("comm_sms", [0, 16])
+def test_chunked_layer_matches_unchunked_gpu(dtype, comm_sms):
+    """The chunks' communication on the communication stream, their GEMMs under an SM carveout
+    (16) or not."""
     need_gpus(2)
-    run_workers(_worker_chunks, 2, timeout=300, device="cuda", dtype=dtype, chunks=(2, 4))
+    run_workers(_worker_chunks, 2, timeout=300, device="cuda", dtype=dtype, chunks=(2, 4), comm_sms=comm_sms)

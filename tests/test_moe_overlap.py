@@ -119,8 +119,12 @@ def _worker_overlap(ctx, dtype: str = "float32", fp8: bool = False, stress: bool
                 log.append(("launch", None))
                 return result
 
-            def join(self, outputs):
+            def record(self):
+                return "event"
+
+            def join(self, outputs, after=None):
                 assert all(t is None or isinstance(t, torch.Tensor) for t in outputs)
+                assert after == "event", after
                 log.append(("join", None))
 
         moe_module.comm_stream_for = lambda dev: InlineStream()
@@ -138,9 +142,9 @@ def _worker_overlap(ctx, dtype: str = "float32", fp8: bool = False, stress: bool
             log.append(("launch", None))
             return result
 
-        def logged_join(self, outputs):
+        def logged_join(self, outputs, after=None):
             log.append(("join", None))
-            join(self, outputs)
+            join(self, outputs, after)
 
         overlap.CommStream.launch, overlap.CommStream.join = logged_launch, logged_join
 

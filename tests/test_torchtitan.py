@@ -175,6 +175,105 @@ def test_compiled_layer_matches_eager_all_to_all(pools, compile_backend):
     _check_diffs(results, relative=compile_backend == "inductor")
 
 
+# ---- te_ep's whole step: TeEpRoutedExperts, chunked ----------------------------------------
+
+
+@pytest.mark.parametrize("world_size,chunks", [(2, 1), (2, 2), (4, 3)], ids=["W2-chunks1", "W2-chunks2", "W4-chunks3"])
+def test_routed_experts_step_matches_all_to_all(pools, world_size, chunks):
+    """TeEpRoutedExperts (the te_ep_routed_experts override, what use_te_ep selects) runs the step as
+    te_ep's EpStep.run: unchunked and split into chunks (24 tokens per rank: chunks of 12, or 8),
+    the same outputs and gradients as TorchTitan's all-to-all, each chunk on handles of its own
+    sized for its share of the tokens, and the last EP rank receiving no token.
+
+    Unchunked the results are equal (float32 tolerance); chunked, the output and the input
+    gradient too, but an expert weight's gradient is a sum over its rows that TeEpGroupedExperts
+    (as TorchTitan's experts) takes in bfloat16, one GEMM per chunk, then added in bfloat16: the
+    relative tolerance (seen: 0.5% of the largest element)."""
+    from _torchtitan_cases import NUM_EXPERTS, SEQ, TOP_K, case_parity
+
+    results = pools.run(world_size, case_parity, scenario="uneven", routed=True, chunks=chunks, timeout=120)
+    _check_routing(results, "uneven")
+    _check_diffs(results, relative=chunks > 1)
+    for res in results:
+        for name in ("output", "input_grad"):
+            assert res["diffs"][name]["close_f32"], (name, res["diffs"][name])
+    handles = results[0]["handles"]
+    assert len(handles) == chunks, handles
+    # The worst case of a chunk's tokens (every one of every rank here) plus each zone's padding.
+    capacity = world_size * -(-SEQ // chunks) * TOP_K + NUM_EXPERTS // world_size * 15
+    assert all(f"capacity={capacity}," in h for h in handles), (capacity, handles)
+
+
+def test_compiled_chunked_routed_experts_matches_all_to_all(pools):
+    """torch.compile(fullgraph=True) of the layer with a chunked te_ep step (two steps, one graph;
+    under compile the chunks run in sequence on the caller's stream)."""
+    from _torchtitan_cases import case_parity
+
+    results = pools.run(2, case_parity, scenario="uneven", routed=True, chunks=2, compile=True,
+                        compile_backend="aot_eager", timeout=300)
+    _check_diffs(results, relative=True)  # bfloat16 weight gradients per chunk: see the eager test
+    assert len(results[0]["handles"]) == 2
+
+
+def test_chunks_without_routed_experts_name_the_override(pools):
+    from _torchtitan_cases import case_chunks_need_routed_experts
+
+    for seen in pools.run(2, case_chunks_need_routed_experts, timeout=120):
+        assert seen["type"] == "ValueError", seen
+        assert "chunks=2" in seen["message"] and "te_ep_routed_experts" in seen["message"], seen
+
+
+def test_te_ep_routed_experts_override_keeps_the_children_and_leaves_subclasses_alone():
+    """--override.imports te_ep_routed_experts={...} turns the plain RoutedExperts config into
+    TeEpRoutedExperts' with te_ep's dispatcher (its kwargs the dispatcher's options) and experts,
+    and claims no subclass."""
+    from dataclasses import dataclass
+
+    from torchtitan.config.override import OverrideConfig, apply_overrides
+    from torchtitan.models.common.moe import RoutedExperts
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+    from torchtitan.config.override import parse_cli_imports
+    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+
+    from te_ep_torch.integrations.torchtitan import (
+        ROUTED_EXPERTS_OVERRIDE_TARGET,
+        TeEpGroupedExperts,
+        TeEpRoutedExperts,
+        TeEpTokenDispatcher,
+        te_ep_routed_experts,
+    )
+
+    cfg = _moe_config(AllToAllTokenDispatcher.Config(num_experts=8, top_k=2))
+    experts, dispatcher = cfg.routed_experts.inner_experts, cfg.routed_experts.token_dispatcher
+    imports = parse_cli_imports([ROUTED_EXPERTS_OVERRIDE_TARGET + '={"chunks": 2, "capacity_factor": 1.5}'])
+    apply_overrides(OverrideConfig(imports=imports), cfg)
+    new = cfg.routed_experts
+    assert type(new) is TeEpRoutedExperts.Config
+    assert type(new.token_dispatcher) is TeEpTokenDispatcher.Config
+    assert (new.token_dispatcher.num_experts, new.token_dispatcher.top_k) == (dispatcher.num_experts, dispatcher.top_k)
+    assert (new.token_dispatcher.chunks, new.token_dispatcher.capacity_factor) == (2, 1.5)
+    assert type(new.inner_experts) is TeEpGroupedExperts.Config and new.inner_experts.dim == experts.dim
+    assert type(cfg.build().routed_experts) is TeEpRoutedExperts
+    with pytest.raises(ValueError, match="chunks must be an int >= 1"):
+        te_ep_routed_experts(_moe_config(AllToAllTokenDispatcher.Config(num_experts=8, top_k=2)).routed_experts,
+                             chunks=0)
+    local = _moe_config(LocalTokenDispatcher.Config(num_experts=8, top_k=2)).routed_experts
+    with pytest.raises(ValueError, match=r"options \['chunks'\] are te_ep dispatcher options"):
+        te_ep_routed_experts(local, chunks=2)
+    assert type(te_ep_routed_experts(local).token_dispatcher) is LocalTokenDispatcher.Config
+
+    class OtherRoutedExperts(RoutedExperts):
+        @dataclass(kw_only=True, slots=True)
+        class Config(RoutedExperts.Config):
+            pass
+
+    cfg = _moe_config(AllToAllTokenDispatcher.Config(num_experts=8, top_k=2))
+    cfg.routed_experts = OtherRoutedExperts.Config(inner_experts=experts, token_dispatcher=dispatcher)
+    apply_overrides(OverrideConfig(imports=[ROUTED_EXPERTS_OVERRIDE_TARGET]), cfg)
+    assert type(cfg.routed_experts) is OtherRoutedExperts.Config
+
+
 # ---- TorchTitan's per-block torch.compile + FSDP2 (case_compiled_fsdp_blocks) ------------
 
 
@@ -439,14 +538,17 @@ def test_without_ep_mesh_it_is_torchtitans_local_dispatch():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_matches_all_to_all_dispatcher_gpu(dtype):
-    """Unverified in this repository's CI (no GPU): 2 ranks, uneven routing, relative tolerance."""
+@pytest.mark.parametrize("chunks", [None, 2], ids=["dispatcher", "routed-chunks2"])
+def test_matches_all_to_all_dispatcher_gpu(dtype, chunks):
+    """Unverified in this repository's CI (no GPU): 2 ranks, uneven routing, relative tolerance;
+    the dispatcher under TorchTitan's RoutedExperts, and TeEpRoutedExperts with a chunked step
+    (its communication on the communication stream)."""
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 CUDA GPUs, found {torch.cuda.device_count() if torch.cuda.is_available() else 0}")
     env = subprocess_env(NCCL_NVLS_ENABLE="0")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(REPO / "tests" / "_torchtitan_cases.py"), "case_parity",
-           json.dumps({"scenario": "uneven", "dtype": dtype})]
+           json.dumps({"scenario": "uneven", "dtype": dtype, **({"routed": True, "chunks": chunks} if chunks else {})})]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     results = sorted((json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines()

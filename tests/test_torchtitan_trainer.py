@@ -39,7 +39,9 @@ from _torchtitan_cases import DIM, NUM_EXPERTS, TOP_K, _moe_config  # noqa: E402
 from te_ep_torch.integrations.torchtitan import (  # noqa: E402
     EXPERTS_OVERRIDE_TARGET,
     OVERRIDE_TARGET,
+    ROUTED_EXPERTS_OVERRIDE_TARGET,
     TeEpGroupedExperts,
+    TeEpRoutedExperts,
     TeEpTokenDispatcher,
     te_ep_dispatcher,
     use_te_ep,
@@ -146,13 +148,15 @@ def test_use_te_ep_switches_the_tree_in_place_and_forwards_options():
             assert (d.num_experts, d.top_k, d.capacity_factor, d.overflow) == (NUM_EXPERTS, TOP_K, 1.25, "drop")
             assert (d.hidden_dim, d.num_max_tokens_per_rank, d.dtype) == (None, None, None)  # filled at build
             assert type(layer.routed_experts.inner_experts) is TeEpGroupedExperts.Config
+            assert type(layer.routed_experts) is TeEpRoutedExperts.Config
     assert config.override.imports == []  # applied now, not deferred to the Trainer
     with pytest.raises(ValueError, match="capacity_factor"):
         use_te_ep(_trainer_config(_a2a()), capacity_factor=0.5)
-    listed = _trainer_config(_a2a())
-    listed.override.imports.append(EXPERTS_OVERRIDE_TARGET)
-    with pytest.raises(ValueError, match="already in override.imports; pass its options to use_te_ep"):
-        use_te_ep(listed)
+    for target in (EXPERTS_OVERRIDE_TARGET, ROUTED_EXPERTS_OVERRIDE_TARGET):
+        listed = _trainer_config(_a2a())
+        listed.override.imports.append(target)
+        with pytest.raises(ValueError, match="already in override.imports; pass its options to use_te_ep"):
+            use_te_ep(listed)
     no_moe = _trainer_config()
     with pytest.raises(ValueError, match="has no MoE token dispatcher"):
         use_te_ep(no_moe)

@@ -20,9 +20,15 @@ back to their tokens. :class:`TeEpTokenDispatcher` implements that interface wit
 * autograd through the ``te_ep`` ops (gradients reach the tokens and the routing
   scores, hence the router).
 
-Selecting it: the ``@override`` factory :func:`te_ep_dispatcher`, listed in
-``--override.imports`` (CLI) or added by :func:`use_te_ep` (Python config). See
-docs/torchtitan.md.
+Chunked (``chunks=N``): TorchTitan's ``RoutedExperts`` calls its experts between
+``dispatch`` and ``combine``, once, so a step split into chunks (each chunk's communication
+under another chunk's experts) needs the layer's forward: :class:`TeEpRoutedExperts` (the
+``te_ep_routed_experts`` override) runs ``dispatch -> experts -> combine`` as te_ep's
+:meth:`~te_ep_torch.step.EpStep.run`, the code path of ``te.MoE``, unchunked included.
+
+Selecting it: the ``@override`` factories :func:`te_ep_dispatcher`, :func:`te_ep_experts`
+and :func:`te_ep_routed_experts`, listed in ``--override.imports`` (CLI) or added by
+:func:`use_te_ep` (Python config). See docs/torchtitan.md.
 
 Nothing else in te_ep_torch imports this module or TorchTitan.
 """
@@ -50,13 +56,15 @@ except ImportError as exc:  # pragma: no cover - exercised only without torchtit
         "docstring_parser==0.18.0 (docs/torchtitan.md)"
     ) from exc
 
-from torchtitan.models.common.moe import GroupedExperts
+from torchtitan.distributed.spmd_types import maybe_set_sparse_mesh
+from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 
 from ..._dtensor_rules import local_tensor as _local
 from ...group import DEFAULT_NCCL_EP_MODE, EpHandle
 from ...moe import GROUPED_MM_ALIGNMENT
 from ...ops.fp8 import FP8_BLOCK
 from ...options import EpOptions
+from ...overlap import comm_stream_for
 from ...parallel import ep_group_for
 from ...step import Dispatched, EpStep, check_eager
 from ...zones import expert_ffn
@@ -64,17 +72,22 @@ from ...zones import expert_ffn
 __all__ = [
     "EXPERTS_OVERRIDE_TARGET",
     "OVERRIDE_TARGET",
+    "ROUTED_EXPERTS_OVERRIDE_TARGET",
     "TeEpDispatchMetadata",
     "TeEpGroupedExperts",
+    "TeEpRoutedExperts",
     "TeEpTokenDispatcher",
     "te_ep_dispatcher",
     "te_ep_experts",
+    "te_ep_routed_experts",
     "use_te_ep",
 ]
 
-# What a job lists in --override.imports to select this dispatcher, and te_ep's experts.
+# What a job lists in --override.imports to select this dispatcher, te_ep's experts and
+# te_ep's routed-experts forward (the step in one call: chunks).
 OVERRIDE_TARGET = f"{__name__}.te_ep_dispatcher"
 EXPERTS_OVERRIDE_TARGET = f"{__name__}.te_ep_experts"
+ROUTED_EXPERTS_OVERRIDE_TARGET = f"{__name__}.te_ep_routed_experts"
 
 _DTYPES: Dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -174,6 +187,12 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
                 else the torch.distributed ``"reference"`` backend).
             nccl_ep_mode, timeout, checks: :class:`te_ep_torch.EpGroup`'s options
                 (``timeout`` in seconds; ``None``: the process group's).
+            chunks: split each step's tokens into this many chunks whose dispatch and combine
+                run under another chunk's experts (:class:`te_ep_torch.EpOptions`'s
+                ``chunks``; 1: unchunked). Needs :class:`TeEpRoutedExperts` (the
+                ``te_ep_routed_experts`` override, which :func:`use_te_ep` adds): TorchTitan's
+                own ``RoutedExperts`` calls the experts once, between ``dispatch`` and
+                ``combine``.
             fp8_dispatch: send the tokens as block-scaled FP8 (e4m3 and a float32 scale
                 per 128 values, :func:`te_ep_torch.ep_dispatch_fp8`) and dequantize them
                 before TorchTitan's grouped experts; combine and the backward stay in the
@@ -187,6 +206,7 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
         capacity_factor: float | None = None
         overflow: str = "raise"
         backend: str = "auto"
+        chunks: int = 1
         fp8_dispatch: bool = False
         nccl_ep_mode: str = DEFAULT_NCCL_EP_MODE
         timeout: float | None = None
@@ -260,12 +280,25 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
                 self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E
             )
         del num_local_tokens_per_expert_E
-        if self._step is None:  # sizes unknown at wiring: this batch's
-            check_eager("TeEpTokenDispatcher.dispatch", x_TD.dtype, [], self._eager_hint())
-            self._make_step(self.hidden_dim or x_TD.shape[1], self.num_max_tokens_per_rank or x_TD.shape[0])
-        step = self._step
+        step = self.step_for(x_TD)
+        if step.chunks > 1:
+            raise ValueError(
+                f"TeEpTokenDispatcher: chunks={step.chunks} runs each chunk's experts between its dispatch and "
+                "combine, which TorchTitan's RoutedExperts cannot (it calls dispatch, the experts once, then "
+                f"combine): select te_ep with the te_ep_routed_experts override ({ROUTED_EXPERTS_OVERRIDE_TARGET}"
+                "={...} in --override.imports, the dispatcher's options as its kwargs, in place of te_ep_dispatcher "
+                "and te_ep_experts; use_te_ep adds it) or set chunks=1"
+            )
         dispatched = step.join(None, step.dispatch(x_TD, topk_expert_ids_TK, topk_scores_TK), x_TD)
         return dispatched.rows, dispatched.expert_counts, TeEpDispatchMetadata(dispatched)
+
+    def step_for(self, x_TD: Tensor) -> EpStep:
+        """The layer's :class:`~te_ep_torch.step.EpStep` (made now, eagerly, where its sizes were
+        unknown at wiring: this batch's)."""
+        if self._step is None:
+            check_eager("TeEpTokenDispatcher.dispatch", x_TD.dtype, [], self._eager_hint())
+            self._make_step(self.hidden_dim or x_TD.shape[1], self.num_max_tokens_per_rank or x_TD.shape[0])
+        return self._step
 
     def combine(self, routed_output_RD: Tensor, metadata, x_TD: Tensor) -> Tensor:
         """Scores the expert rows and sums them back to their tokens (collective); ``[T, D]``."""
@@ -307,6 +340,80 @@ class TeEpGroupedExperts(GroupedExperts):
         return y.type_as(x_RD)
 
 
+class TeEpRoutedExperts(RoutedExperts):
+    """TorchTitan's ``RoutedExperts`` whose forward is te_ep's whole step.
+
+    Same children (``inner_experts``, ``token_dispatcher``) and parameters. With a
+    :class:`TeEpTokenDispatcher` wired to an EP mesh, the forward is
+    :meth:`te_ep_torch.step.EpStep.run` of the dispatcher's step: dispatch, the experts
+    (``inner_experts``) on the received zones, the routing scores applied, combine; the code
+    path of ``te.MoE``. Unchunked that is the ``dispatch``/``combine`` pair TorchTitan's forward
+    calls (same ops, same results); with ``chunks=N`` the step runs N chunks whose
+    communication, on a communication stream, runs under another chunk's experts, forward and
+    backward (docs/moe.md, "Chunked step"). Under ``torch.compile`` the chunks run in
+    sequence on the caller's stream. Any other dispatcher (or no EP mesh): TorchTitan's
+    forward. Selected by the :func:`te_ep_routed_experts` override.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(RoutedExperts.Config):
+        pass
+
+    def forward(
+        self,
+        x_BLD: Tensor,
+        topk_scores_BLK: Tensor,
+        topk_expert_ids_BLK: Tensor,
+        num_local_tokens_per_expert_E: Tensor,
+    ) -> Tensor:
+        dispatcher = self.token_dispatcher
+        if not isinstance(dispatcher, TeEpTokenDispatcher) or dispatcher.ep_mesh is None:
+            return super().forward(x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E)
+        B, L, D = x_BLD.shape
+        K = topk_scores_BLK.size(-1)
+        x_TD = x_BLD.view(B * L, D)
+        step = dispatcher.step_for(x_TD)
+
+        def experts(rows: Tensor, counts: Tensor) -> Tensor:
+            with maybe_set_sparse_mesh():
+                return self.inner_experts(rows, counts)
+
+        routing = (topk_expert_ids_BLK.view(B * L, K), topk_scores_BLK.view(B * L, K))
+        comm = comm_stream_for(x_TD.device) if step.chunks > 1 else None
+        out_TD, _, _ = step.run(x_TD, routing, experts, comm=comm)
+        return out_TD.view(B, -1, D)
+
+
+@override(
+    target=RoutedExperts.Config,
+    exact=True,
+    description="te_ep_torch routed experts: dispatch, experts and combine as one te_ep step (chunks)",
+)
+def te_ep_routed_experts(cfg: RoutedExperts.Config, **options: Any) -> TeEpRoutedExperts.Config:
+    """TorchTitan override: the whole routed-experts node becomes te_ep's.
+
+    ``RoutedExperts`` becomes :class:`TeEpRoutedExperts` (same fields), its EP token dispatcher
+    :class:`TeEpTokenDispatcher` (:func:`te_ep_dispatcher`; ``options`` are its kwargs) and its
+    plain ``GroupedExperts`` :class:`TeEpGroupedExperts` (:func:`te_ep_experts`). One entry
+    selects te_ep for the layer, chunked steps included::
+
+        --override.imports 'te_ep_torch.integrations.torchtitan.te_ep_routed_experts={"chunks": 2}'
+
+    TorchTitan refuses it next to :func:`te_ep_dispatcher` or :func:`te_ep_experts` in one
+    ``override.imports`` (they claim nodes inside this one); :func:`use_te_ep` adds it. Only the
+    plain ``RoutedExperts`` is replaced (``exact``).
+    """
+    new = derive(cfg, TeEpRoutedExperts.Config)
+    if isinstance(new.token_dispatcher, BaseEPTokenDispatcher.Config):
+        new.token_dispatcher = te_ep_dispatcher(new.token_dispatcher, **options)
+    elif options:
+        raise ValueError(f"te_ep_routed_experts: options {sorted(options)} are te_ep dispatcher options, but this "
+                         f"layer's token dispatcher is {type(new.token_dispatcher).__qualname__} (no expert parallelism)")
+    if type(new.inner_experts) is GroupedExperts.Config:
+        new.inner_experts = te_ep_experts(new.inner_experts)
+    return new
+
+
 @override(
     target=GroupedExperts.Config,
     exact=True,
@@ -326,7 +433,8 @@ def te_ep_experts(cfg: GroupedExperts.Config) -> TeEpGroupedExperts.Config:
 def _options(cfg: Any, what: str) -> EpOptions:
     """The config's EP options as one record (validated; errors name ``what`` and the field)."""
     return EpOptions.build(what, backend=cfg.backend, nccl_ep_mode=cfg.nccl_ep_mode, timeout=cfg.timeout,
-                           checks=cfg.checks, capacity_factor=cfg.capacity_factor, overflow=cfg.overflow)
+                           checks=cfg.checks, capacity_factor=cfg.capacity_factor, overflow=cfg.overflow,
+                           chunks=cfg.chunks)
 
 
 def _check_config(cfg: Any, what: str) -> None:
@@ -361,6 +469,7 @@ def te_ep_dispatcher(
     capacity_factor: Optional[float] = None,
     overflow: Optional[str] = None,
     backend: Optional[str] = None,
+    chunks: Optional[int] = None,
     fp8_dispatch: Optional[bool] = None,
     nccl_ep_mode: Optional[str] = None,
     timeout: Optional[float] = None,
@@ -395,6 +504,7 @@ def te_ep_dispatcher(
             ("capacity_factor", capacity_factor),
             ("overflow", overflow),
             ("backend", backend),
+            ("chunks", chunks),
             ("fp8_dispatch", fp8_dispatch),
             ("nccl_ep_mode", nccl_ep_mode),
             ("timeout", timeout),
@@ -419,8 +529,9 @@ def use_te_ep(trainer_config: Any, **options: Any) -> Any:
     ``--module te_ep_torch.integrations.torchtitan`` does the same to TorchTitan's own configs.
     In the config's model tree, now (TorchTitan's override mechanism, so the result is what
     ``--override.imports`` would give): every EP token dispatcher becomes a
-    :class:`TeEpTokenDispatcher` (:func:`te_ep_dispatcher`; ``options`` are its kwargs) and the
-    plain ``GroupedExperts`` become :class:`TeEpGroupedExperts` (:func:`te_ep_experts`). The
+    :class:`TeEpTokenDispatcher` (:func:`te_ep_dispatcher`; ``options`` are its kwargs), the
+    plain ``GroupedExperts`` become :class:`TeEpGroupedExperts` (:func:`te_ep_experts`) and the
+    plain ``RoutedExperts`` :class:`TeEpRoutedExperts` (:func:`te_ep_routed_experts`). The
     returned config has the same fields; its Trainer admits te_ep to TorchTitan's CUDA-graph
     step and fills the sizes not given in ``options`` from the final config, CLI included
     (:func:`~.trainer.fill_sizes`). ``trainer_config``'s tree is changed in place: use the
@@ -432,10 +543,14 @@ def use_te_ep(trainer_config: Any, **options: Any) -> Any:
 
     for entry in trainer_config.override.imports:
         name = entry if isinstance(entry, str) else entry[0]
-        if name in (OVERRIDE_TARGET, EXPERTS_OVERRIDE_TARGET):
+        if name in (OVERRIDE_TARGET, EXPERTS_OVERRIDE_TARGET, ROUTED_EXPERTS_OVERRIDE_TARGET):
             raise ValueError(
                 f"use_te_ep: {name} is already in override.imports; pass its options to use_te_ep instead"
             )
+    # The routed-experts node first (with its dispatcher and experts); then the dispatchers and
+    # experts of any other node (a RoutedExperts subclass). Two passes: TorchTitan refuses one
+    # that claims a node and a node inside it.
+    apply_overrides(OverrideConfig(imports=[(ROUTED_EXPERTS_OVERRIDE_TARGET, dict(options))]), trainer_config)
     apply_overrides(OverrideConfig(imports=[(OVERRIDE_TARGET, dict(options)), EXPERTS_OVERRIDE_TARGET]),
                     trainer_config)
     if trainer_config.model_spec is None or not any(
