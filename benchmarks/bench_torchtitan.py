@@ -9,13 +9,16 @@ over all ranks, ``partial_dtensor`` SPMD backend) is built twice from the same s
 
 * ``all_to_all``: TorchTitan's ``AllToAllTokenDispatcher`` (count exchange, host sync
   for the splits, all_to_all_single, its permutation);
-* ``te_ep``: what ``use_te_ep`` selects: ``TeEpTokenDispatcher`` (the ``te_ep_dispatcher``
-  override: ep_dispatch/ep_combine on a static capacity, no host sync) and
-  ``TeEpGroupedExperts`` (the ``te_ep_experts`` override: the experts' work bounded by the
-  routed rows), with the default capacity (the worst case);
-* ``te_ep/tt-experts``: the dispatcher alone, with TorchTitan's own ``GroupedExperts``
-  (its activation runs over every row of the buffer);
-* ``te_ep cf=F`` (with ``--capacity-factor F``): ``te_ep`` with that capacity factor.
+* ``te_ep``: what ``use_te_ep`` selects (the ``te_ep_routed_experts`` override):
+  ``TeEpRoutedExperts`` running te_ep's step (``EpStep.run``) with ``TeEpTokenDispatcher``
+  (ep_dispatch/ep_combine on a static capacity, no host sync) and ``TeEpGroupedExperts``
+  (the experts' work bounded by the routed rows), with the default capacity (the worst case);
+* ``te_ep/tt-experts``: the dispatcher alone (``te_ep_dispatcher``) under TorchTitan's own
+  ``RoutedExperts`` and ``GroupedExperts`` (its activation runs over every row of the buffer);
+* ``te_ep cf=F`` (with ``--capacity-factor F``): ``te_ep`` with that capacity factor;
+* ``te_ep chunks=N`` (with ``--chunks N[,M...]``): ``te_ep`` with its step split into N chunks
+  (each chunk's communication on a communication stream under another chunk's experts),
+  and ``te_ep chunks=N sms=K`` with ``--comm-sms K``: their GEMMs leaving K SMs free.
 
 Default shape, DeepSeek-V2-Lite / DeepSeek-V3 "16B"-style MoE: dim 2048, expert FFN
 1408, 64 routed experts, top-6, 8192 tokens per rank, bfloat16 activations and weights
@@ -61,6 +64,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time te_ep with this capacity_factor (TeEpTokenDispatcher.Config: a multiplier >= 1 "
                         "of a rank's mean receive load, top_k x tokens per rank plus zone padding); the te_ep row "
                         "keeps the default capacity (the worst case)")
+    p.add_argument("--chunks", type=lambda t: [int(v) for v in t.split(",")], default=[],
+                   help="comma-separated chunk counts (> 1): a 'te_ep chunks=N' row each")
+    p.add_argument("--comm-sms", type=lambda t: [int(v) for v in t.split(",")], default=[0],
+                   help="comma-separated SM counts the chunked rows' GEMMs leave to the communication (comm_sms); "
+                        "default 0")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     args = p.parse_args(argv)
@@ -72,6 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, name, cuda_default if big else cpu_default)
     if args.device == "cpu":
         args.backend = "reference"
+    if any(n < 2 for n in args.chunks) or any(k < 0 for k in args.comm_sms):
+        p.error(f"--chunks takes counts > 1 and --comm-sms counts >= 0, got {args.chunks} and {args.comm_sms}")
     return args
 
 
@@ -98,7 +108,7 @@ def main(argv=None) -> int:
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
     import te_ep_torch
-    from te_ep_torch.integrations.torchtitan import te_ep_dispatcher, te_ep_experts
+    from te_ep_torch.integrations.torchtitan import te_ep_dispatcher, te_ep_experts, te_ep_routed_experts
 
     device = _common.init_distributed(args.device)
     rank = dist.get_rank()
@@ -111,12 +121,12 @@ def main(argv=None) -> int:
 
     def build(dispatcher_cfg, ours_experts: bool = False) -> MoE:
         experts_cfg = GroupedExperts.Config(dim=args.dim, hidden_dim=args.ffn, num_experts=args.experts)
+        routed = RoutedExperts.Config(inner_experts=te_ep_experts(experts_cfg) if ours_experts else experts_cfg,
+                                      token_dispatcher=dispatcher_cfg)
         cfg = MoE.Config(
             num_experts=args.experts,
-            routed_experts=RoutedExperts.Config(
-                inner_experts=te_ep_experts(experts_cfg) if ours_experts else experts_cfg,
-                token_dispatcher=dispatcher_cfg,
-            ),
+            # ours_experts: the whole node te_ep's (what use_te_ep selects).
+            routed_experts=te_ep_routed_experts(routed) if ours_experts else routed,
             router=TokenChoiceTopKRouter.Config(
                 num_experts=args.experts, gate=Linear.Config(in_features=args.dim, out_features=args.experts),
                 top_k=args.top_k, score_func="sigmoid", route_norm=True,
@@ -137,11 +147,11 @@ def main(argv=None) -> int:
 
     a2a_cfg = AllToAllTokenDispatcher.Config(num_experts=args.experts, top_k=args.top_k)
 
-    def ours_cfg(capacity_factor):
+    def ours_cfg(capacity_factor, chunks: int = 1, comm_sms: int = 0):
         return te_ep_dispatcher(
             AllToAllTokenDispatcher.Config(num_experts=args.experts, top_k=args.top_k),
             hidden_dim=args.dim, num_max_tokens_per_rank=args.tokens_per_rank, dtype=args.dtype,
-            backend=args.backend, capacity_factor=capacity_factor,
+            backend=args.backend, capacity_factor=capacity_factor, chunks=chunks, comm_sms=comm_sms,
         )
 
     # te_ep: both overrides (use_te_ep), default capacity; te_ep/tt-experts: the dispatcher
@@ -150,6 +160,9 @@ def main(argv=None) -> int:
               "te_ep/tt-experts": build(ours_cfg(None))}
     if args.capacity_factor is not None:
         layers[f"te_ep cf={args.capacity_factor:g}"] = build(ours_cfg(args.capacity_factor), True)
+    for n in args.chunks:
+        for sms in args.comm_sms:
+            layers[f"te_ep chunks={n}" + (f" sms={sms}" if sms else "")] = build(ours_cfg(None, n, sms), True)
     gen = torch.Generator(device=device).manual_seed(1 + rank)
     x = torch.randn(1, args.tokens_per_rank, args.dim, generator=gen, device=device).to(dtype)
     grad = torch.randn(x.shape, generator=gen, device=device).to(dtype)
