@@ -47,7 +47,8 @@ expert, ``y[t] = sum_k w[t, k] * expert_{idx[t, k]}(x[t])``. Rows:
   verified (its experts differ from the EP layer's).
 
 ``te.MoE`` replaces the testing block ``TeEpMoEBlock`` in this benchmark (that block stays
-in te_ep_torch/testing for docs/tutorial.md, benchmarks/timeline.py and the tests).
+in te_ep_torch/testing for docs/tutorial.md and the tests). benchmarks/timeline.py builds
+its layers with ``setup`` and ``make_moe`` below.
 
 Execution modes (--modes, comma-separated; --compile and --cuda-graph add theirs), each
 applied to every row alike, each row labelled with its mode; ``x native`` compares with
@@ -100,7 +101,15 @@ are the defaults.
 
 from __future__ import annotations
 
-import _common  # first: it sets the environment NCCL reads when it initialises
+# _common first: it sets the environment NCCL reads when it initialises. Run as a script
+# (python3 or torchrun), this folder is on the import path; imported (benchmarks/timeline.py
+# and the tests import benchmarks.bench_moe_layer), the modules beside it are in its package.
+if __package__:
+    from . import _common
+    from ._common import Column
+else:
+    import _common
+    from _common import Column
 
 import argparse
 import dataclasses
@@ -113,7 +122,6 @@ import torch
 import torch.distributed as dist
 
 import te_ep_torch as te
-from _common import Column
 from te_ep_torch.moe import GROUPED_MM_ALIGNMENT
 from te_ep_torch.testing.moe_blocks import (
     GEMMS,
@@ -267,6 +275,37 @@ def fit_capacity(block: NativeMoEBlock, x: torch.Tensor, args, group: te.EpGroup
     need = int(((counts + a - 1) // a * a).view(group.ep_size, -1).sum(1).max())
     # nccl_ep wants capacity >= max_tokens_per_rank.
     return max(args.tokens, math.ceil(need * args.capacity_headroom / a) * a)
+
+
+class Setup(NamedTuple):
+    """What every timed layer shares: the run's dtype, the MoE's defaults, the native block, the input."""
+
+    dtype: torch.dtype
+    normalize: bool  # te.MoE's router default: whether top-k weights are renormalised
+    gemm: str  # the experts kernel family both layers use (resolve_gemm)
+    alignment: int  # rows per expert zone are padded to a multiple of this
+    native: NativeMoEBlock
+    x: torch.Tensor
+    grad_out: torch.Tensor
+
+
+def setup(args, device: torch.device, rank: int) -> Setup:
+    """The native block (whose parameters ``make_moe`` copies into each MoE), the input and the
+    output gradient of a step (seeded by ``args.seed`` and ``rank``), from the sizes in ``args``
+    (tokens, hidden, ffn, experts, top_k, dtype, shared_ffn, gemm, alignment, seed)."""
+    dtype = DTYPES[args.dtype]
+    # The MoE's defaults, read from the classes rather than restated: the router's weight
+    # normalisation (softmax: off) and the zone alignment (16 under torch._grouped_mm, else 1).
+    normalize = te.TopKRouter(args.hidden, args.experts, args.top_k, device="meta").normalize_weights
+    gemm = resolve_gemm(args.gemm, device, dtype, args.hidden, args.ffn)
+    alignment = args.alignment or (GROUPED_MM_ALIGNMENT if gemm == "grouped_mm" else 1)
+    config = MoEConfig(hidden=args.hidden, ffn=args.ffn, num_experts=args.experts, top_k=args.top_k, dtype=dtype,
+                       shared_ffn=args.shared_ffn, normalize_weights=normalize)
+    gen = torch.Generator(device="cpu").manual_seed(10_000 + 7919 * args.seed + rank)
+    x = torch.randn(args.tokens, args.hidden, generator=gen).to(device=device, dtype=dtype)
+    grad_out = (torch.randn(args.tokens, args.hidden, generator=gen) * 0.1).to(device=device, dtype=dtype)
+    native = NativeMoEBlock(config, device=device, alignment=alignment, gemm=args.gemm, seed=args.seed)
+    return Setup(dtype, normalize, gemm, alignment, native, x, grad_out)
 
 
 def make_moe(args, group: te.EpGroup, native: NativeMoEBlock, dtype: torch.dtype, *, fp8: bool = False,
@@ -434,24 +473,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     device = _common.init_distributed(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    dtype = DTYPES[args.dtype]
     if args.experts % world:
         raise SystemExit(f"--experts ({args.experts}) must be divisible by the number of ranks ({world})")
     if args.fp8 and args.hidden % 128:
         raise SystemExit(f"--fp8: MoE's FP8 dispatch needs --hidden to be a multiple of 128, got {args.hidden}")
-    # The MoE's defaults, read from the classes rather than restated: the router's weight
-    # normalisation (softmax: off) and the zone alignment (16 under torch._grouped_mm, else 1).
-    normalize = te.TopKRouter(args.hidden, args.experts, args.top_k, device="meta").normalize_weights
-    gemm = resolve_gemm(args.gemm, device, dtype, args.hidden, args.ffn)
-    alignment = args.alignment or (GROUPED_MM_ALIGNMENT if gemm == "grouped_mm" else 1)
-    config = MoEConfig(hidden=args.hidden, ffn=args.ffn, num_experts=args.experts, top_k=args.top_k, dtype=dtype,
-                       shared_ffn=args.shared_ffn, normalize_weights=normalize)
-
-    gen = torch.Generator(device="cpu").manual_seed(10_000 + 7919 * args.seed + rank)
-    x = torch.randn(args.tokens, args.hidden, generator=gen).to(device=device, dtype=dtype)
-    grad_out = (torch.randn(args.tokens, args.hidden, generator=gen) * 0.1).to(device=device, dtype=dtype)
-
-    native = NativeMoEBlock(config, device=device, alignment=alignment, gemm=args.gemm, seed=args.seed)
+    dtype, normalize, _, alignment, native, x, grad_out = setup(args, device, rank)
     if rank == 0:
         print(describe(args, world, device, dtype, alignment, normalize), flush=True)
     reference = fwd_bwd(native, x, grad_out)
