@@ -466,10 +466,12 @@ class Report(NamedTuple):
 
 
 def label_of(meta: Dict, path: str) -> str:
-    """A short column title: ``c<chunks>`` / ``compute``, ``ov``, ``sm<K>``, ``r<rank>``."""
+    """A short column title: ``c<chunks>`` / ``compute``, ``cs<comm_sms>``, ``ov``, ``sm<K>``, ``r<rank>``."""
     if not meta:
         return os.path.basename(os.path.dirname(path)) or os.path.basename(path)
     words = ["compute" if meta.get("compute_only") else f"c{meta.get('chunks', 1)}"]
+    if meta.get("comm_sms"):
+        words.append(f"cs{meta['comm_sms']}")
     if meta.get("overlap"):
         words.append("ov")
     if meta.get("sm_carveout") is not None:
@@ -520,7 +522,8 @@ def describe(report: Report, number: int) -> str:
         return f"[{number}] {report.path}: {len(report.steps)} step(s), no te_ep_timeline metadata"
     what = "compute-only stand-in of te.MoE" if meta.get("compute_only") else "te.MoE"
     carve = meta.get("sm_carveout")
-    text = (f"[{number}] {report.path}: {what} chunks={meta.get('chunks')} overlap={meta.get('overlap')} "
+    text = (f"[{number}] {report.path}: {what} chunks={meta.get('chunks')} comm_sms={meta.get('comm_sms', 0)} "
+            f"overlap={meta.get('overlap')} "
             f"sm_carveout={'none' if carve is None else carve}, rank {meta.get('rank')}/{meta.get('world')}, "
             f"{meta.get('backend')} ({meta.get('nccl_ep_mode')})")
     dims = [f"{key}={meta[field]}" for key, field in (("T", "tokens"), ("H", "hidden"), ("F", "ffn"),
@@ -709,7 +712,8 @@ def record(args) -> None:
     x, grad_out, dtype = s.x, s.grad_out, s.dtype
     group = te.EpGroup(num_experts=args.experts, max_tokens_per_rank=args.tokens, backend=backend, device=device,
                        nccl_ep_mode=nccl_ep_mode, checks=args.checks)
-    moe = bench.make_moe(args, group, s.native, dtype, overlap=args.overlap, chunks=args.chunks)
+    moe = bench.make_moe(args, group, s.native, dtype, overlap=args.overlap, chunks=args.chunks,
+                         comm_sms=args.comm_sms)
     del s  # the native block: only its parameters were needed
     layer = ComputeOnlyMoE(moe, capacity=moe.handles[dtype].config.capacity) if args.compute_only else moe
     what = "compute-only stand-in of te.MoE" if args.compute_only else "te.MoE"
@@ -735,7 +739,8 @@ def record(args) -> None:
     synchronize()
 
     meta = {
-        "layer": what, "compute_only": args.compute_only, "chunks": args.chunks, "overlap": args.overlap,
+        "layer": what, "compute_only": args.compute_only, "chunks": args.chunks, "comm_sms": args.comm_sms,
+        "overlap": args.overlap,
         "sm_carveout": carveout, "rank": rank, "world": world, "backend": group.backend,
         "nccl_ep_mode": nccl_ep_mode, "checks": args.checks, "tokens": args.tokens, "hidden": args.hidden,
         "ffn": args.ffn, "experts": args.experts, "top_k": args.top_k, "shared_ffn": args.shared_ffn,
@@ -819,6 +824,9 @@ def main(argv=None) -> None:
     rec.add_argument("--overlap", action="store_true", help="te.MoE(overlap=True)")
     rec.add_argument("--compute-only", action="store_true",
                      help="the layer's compute-only stand-in (bench_moe_layer's ComputeOnlyMoE: no communication)")
+    rec.add_argument("--comm-sms", type=int, default=0, metavar="K",
+                     help="te.EpOptions(comm_sms=K) with --chunks N > 1: the chunks' expert GEMMs leave K SMs to the "
+                          "communication (the layer's own carveout, during its overlap only)")
     rec.add_argument("--sm-carveout", type=int, default=None, metavar="K",
                      help="torch._C._set_sm_carveout_experimental(K) before the warm-up: torch's persistent GEMMs "
                           "leave K SMs free (default: not called)")
@@ -844,6 +852,8 @@ def main(argv=None) -> None:
             parser.error("--steps must be >= 1 and --warmup >= 0")
         if args.chunks < 1:
             parser.error(f"--chunks must be >= 1, got {args.chunks}")
+        if args.comm_sms and args.chunks == 1:
+            parser.error("--comm-sms applies to a chunked step: give --chunks N > 1 with it")
         if args.compute_only and (args.chunks != 1 or args.overlap):
             parser.error("--compute-only has no communication to chunk or overlap: leave --chunks and --overlap out")
         if args.sm_carveout is not None and args.sm_carveout < 0:

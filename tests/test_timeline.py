@@ -249,7 +249,7 @@ def test_overlap_report_takes_medians_over_steps(tmp_path, capsys):
 
     timeline.main(["overlap", str(path), str(path), "--csv", str(tmp_path / "o.csv")])
     out = capsys.readouterr().out
-    assert "chunks=2 overlap=False sm_carveout=16, rank 1/2, nccl_ep (zero_copy)" in out, out
+    assert "chunks=2 comm_sms=0 overlap=False sm_carveout=16, rank 1/2, nccl_ep (zero_copy)" in out, out
     rows = {line[:38].strip(): line[38:].split() for line in out.splitlines() if line[:38].strip()}
     assert rows["exposed comm ms"] == ["0.040", "0.040"], out
     assert rows["overlapped comm ms"] == ["0.010", "0.010"], out

@@ -448,6 +448,8 @@ def test_override_keeps_deepep_sizes_and_refuses_fp8():
         (dict(overflow="ignore"), r"overflow must be one of \('raise', 'drop'\), got 'ignore'"),
         (dict(dtype="int8"), "dtype must be one of .*got 'int8'"),
         (dict(num_max_tokens_per_rank=0), "num_max_tokens_per_rank must be a positive int or None, got 0"),
+        (dict(chunks=0), r"te_ep_dispatcher: chunks must be an int >= 1 \(1: an unchunked step\), got 0"),
+        (dict(comm_sms=-1), r"te_ep_dispatcher: comm_sms must be an int >= 0 .*got -1"),
     ],
 )
 def test_bad_options_name_the_option(kwargs, message):

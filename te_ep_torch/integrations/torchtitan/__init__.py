@@ -193,6 +193,8 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
                 ``te_ep_routed_experts`` override, which :func:`use_te_ep` adds): TorchTitan's
                 own ``RoutedExperts`` calls the experts once, between ``dispatch`` and
                 ``combine``.
+            comm_sms: SMs the chunks' expert GEMMs leave to the communication kernels beside
+                them (:class:`te_ep_torch.EpOptions`'s ``comm_sms``; 0: none).
             fp8_dispatch: send the tokens as block-scaled FP8 (e4m3 and a float32 scale
                 per 128 values, :func:`te_ep_torch.ep_dispatch_fp8`) and dequantize them
                 before TorchTitan's grouped experts; combine and the backward stay in the
@@ -207,6 +209,7 @@ class TeEpTokenDispatcher(BaseEPTokenDispatcher):
         overflow: str = "raise"
         backend: str = "auto"
         chunks: int = 1
+        comm_sms: int = 0
         fp8_dispatch: bool = False
         nccl_ep_mode: str = DEFAULT_NCCL_EP_MODE
         timeout: float | None = None
@@ -434,7 +437,7 @@ def _options(cfg: Any, what: str) -> EpOptions:
     """The config's EP options as one record (validated; errors name ``what`` and the field)."""
     return EpOptions.build(what, backend=cfg.backend, nccl_ep_mode=cfg.nccl_ep_mode, timeout=cfg.timeout,
                            checks=cfg.checks, capacity_factor=cfg.capacity_factor, overflow=cfg.overflow,
-                           chunks=cfg.chunks)
+                           chunks=cfg.chunks, comm_sms=cfg.comm_sms)
 
 
 def _check_config(cfg: Any, what: str) -> None:
@@ -470,6 +473,7 @@ def te_ep_dispatcher(
     overflow: Optional[str] = None,
     backend: Optional[str] = None,
     chunks: Optional[int] = None,
+    comm_sms: Optional[int] = None,
     fp8_dispatch: Optional[bool] = None,
     nccl_ep_mode: Optional[str] = None,
     timeout: Optional[float] = None,
@@ -505,6 +509,7 @@ def te_ep_dispatcher(
             ("overflow", overflow),
             ("backend", backend),
             ("chunks", chunks),
+            ("comm_sms", comm_sms),
             ("fp8_dispatch", fp8_dispatch),
             ("nccl_ep_mode", nccl_ep_mode),
             ("timeout", timeout),
