@@ -195,7 +195,7 @@ def main(argv=None) -> int:
               f"{args.dtype}; te_ep {handle.mode}")
         print(f"outputs agree: max |diff| / max |ref| = {rel.item():.2e} (worst te_ep row)")
         _common.print_table([
-            Column("dispatcher", "<18", "dispatcher"), Column("capacity", ">9", "capacity"),
+            Column("dispatcher", "<22", "dispatcher"), Column("capacity", ">9", "capacity"),
             Column("step ms", ">9", "step_ms", ".3f"),
             Column("tokens/s/GPU", ">14", "tokens_per_s_per_gpu", ",.0f"),
             Column("speedup", ">8", lambda r: f"{r['speedup']:.2f}x"),
