@@ -472,6 +472,8 @@ def label_of(meta: Dict, path: str) -> str:
     words = ["compute" if meta.get("compute_only") else f"c{meta.get('chunks', 1)}"]
     if meta.get("comm_sms"):
         words.append(f"cs{meta['comm_sms']}")
+    if meta.get("graph"):
+        words.append("graph")
     if meta.get("overlap"):
         words.append("ov")
     if meta.get("sm_carveout") is not None:
@@ -737,10 +739,28 @@ def record(args) -> None:
         reset()
         step()
     synchronize()
+    if args.graph:
+        # The step captured in a CUDA graph (as bench_moe_layer's graph mode: warmed up on a side
+        # stream, gradients accumulate in place); each profiled step is a replay.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                reset()
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        reset()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        graph.replay()
+        synchronize()
+        step = graph.replay  # noqa: F811 (the captured step from here on)
+        reset = lambda: None  # noqa: E731 (the graph's gradients are its static buffers)
 
     meta = {
         "layer": what, "compute_only": args.compute_only, "chunks": args.chunks, "comm_sms": args.comm_sms,
-        "overlap": args.overlap,
+        "overlap": args.overlap, "graph": args.graph,
         "sm_carveout": carveout, "rank": rank, "world": world, "backend": group.backend,
         "nccl_ep_mode": nccl_ep_mode, "checks": args.checks, "tokens": args.tokens, "hidden": args.hidden,
         "ffn": args.ffn, "experts": args.experts, "top_k": args.top_k, "shared_ffn": args.shared_ffn,
@@ -824,6 +844,8 @@ def main(argv=None) -> None:
     rec.add_argument("--overlap", action="store_true", help="te.MoE(overlap=True)")
     rec.add_argument("--compute-only", action="store_true",
                      help="the layer's compute-only stand-in (bench_moe_layer's ComputeOnlyMoE: no communication)")
+    rec.add_argument("--graph", action="store_true",
+                     help="capture the step in a CUDA graph after the warm-up and profile its replays (GPU only)")
     rec.add_argument("--comm-sms", type=int, default=0, metavar="K",
                      help="te.EpOptions(comm_sms=K) with --chunks N > 1: the chunks' expert GEMMs leave K SMs to the "
                           "communication (the layer's own carveout, during its overlap only)")
@@ -852,6 +874,8 @@ def main(argv=None) -> None:
             parser.error("--steps must be >= 1 and --warmup >= 0")
         if args.chunks < 1:
             parser.error(f"--chunks must be >= 1, got {args.chunks}")
+        if args.graph and args.cpu:
+            parser.error("--graph captures a CUDA graph: not with --cpu")
         if args.comm_sms and args.chunks == 1:
             parser.error("--comm-sms applies to a chunked step: give --chunks N > 1 with it")
         if args.compute_only and (args.chunks != 1 or args.overlap):
