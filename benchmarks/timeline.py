@@ -739,6 +739,7 @@ def record(args) -> None:
         reset()
         step()
     synchronize()
+    graph = None
     if args.graph:
         # The step captured in a CUDA graph (as bench_moe_layer's graph mode: warmed up on a side
         # stream, gradients accumulate in place); each profiled step is a replay.
@@ -808,6 +809,8 @@ def record(args) -> None:
     worst = torch.tensor([times, unprofiled], dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     slowest, slowest_unprofiled = worst.tolist()
+    # A captured graph holds NCCL resources that the group's shutdown frees: it goes first.
+    graph = step = None
     print(f"rank {rank}: wrote {path}", flush=True)
     if rank == 0:
         clock = "CUDA events" if cuda else "wall clock"
