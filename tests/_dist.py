@@ -3,12 +3,14 @@
 A task is a module-level function and picklable arguments; every rank runs
 ``fn(ctx, *args, **kwargs)`` with a `Ctx` saying where it runs. Two modes run it:
 
-* Pools (`WorkerPool`, `PoolRegistry`, the ``pools`` fixture of conftest.py): W spawned
-  processes that joined one process group (gloo on CPU; NCCL with one GPU per rank on CUDA),
-  kept for the pytest session per world size and device, so the cost of starting W
-  interpreters, importing torch and creating the group is paid once. Each task says which
-  te_ep backend, nccl_ep mode and check mode its body tests (a `Launch`), so one pool serves
-  them all. For bodies that leave no process-wide state behind.
+* Pools (`WorkerPool`, `PoolRegistry`, the ``pools`` fixture of conftest.py): W processes
+  that joined one process group (gloo on CPU; NCCL with one GPU per rank on CUDA), kept for
+  the pytest session per world size and device, so the cost of starting W processes and
+  creating the group is paid once. They are forked from the same server as fresh runs
+  (below), which imported torch and te_ep_torch once: a pool starts, or is re-spawned after
+  a failed task, without W interpreters importing torch side by side (~5 s of a core each).
+  Each task says which te_ep backend, nccl_ep mode and check mode its body tests (a
+  `Launch`), so one pool serves them all. For bodies that leave no process-wide state behind.
 * Fresh processes (`run_fresh`, and `launch_fresh` underneath it): each run in W new
   processes (forked from a server that imported torch and te_ep_torch once, or spawned),
   with a new process group (gloo on CPU; NCCL with one GPU per rank on CUDA), a hard
@@ -31,8 +33,8 @@ Why the rules below:
   report, then they count as hung.
 * Tests run W processes on a 2-core machine: workers use one intra-op thread each so they
   don't oversubscribe the cores.
-* A pool worker whose parent is gone (pytest killed by a time limit) exits by itself, so no
-  worker is left holding a GPU.
+* A pool worker whose pool's owner is gone (pytest killed by a time limit) exits by itself,
+  so no worker is left holding a GPU.
 * The ranks meet in a FileStore in the run's own temporary directory (no port), wait there
   until all of them are up (under the start-up limit), then create the process group, so
   start-up skew never counts against a task's deadline.
@@ -196,21 +198,25 @@ class _Reply:
     value: Any  # return value if ok, else the formatted traceback (str)
 
 
-def _exit_with_parent() -> None:
-    """Ends this worker when the process that started it is gone (a pool's parent killed by a
-    time limit never sends the worker its stop)."""
-    parent = os.getppid()
+def _exit_with_owner(owner) -> None:
+    """Ends this worker when the process that made its pool is gone (a pool's owner killed by a
+    time limit never sends the worker its stop). ``owner`` is the read end of a pipe whose write
+    end only the owner holds: it reads end-of-file once the owner is gone, however it ended.
+    (Not the parent process: a worker's parent is the fork server, which outlives the owner
+    for as long as any process it forked does.)"""
 
     def watch():
-        while os.getppid() == parent:
-            time.sleep(1.0)
+        try:
+            owner.poll(None)
+        except OSError:
+            pass
         os._exit(1)
 
-    threading.Thread(target=watch, daemon=True, name="te_ep_parent_watch").start()
+    threading.Thread(target=watch, daemon=True, name="te_ep_owner_watch").start()
 
 
-def _worker_main(rank: int, world_size: int, tmp_dir: str, device: str, tasks, replies) -> None:
-    _exit_with_parent()
+def _worker_main(rank: int, world_size: int, tmp_dir: str, device: str, tasks, replies, owner) -> None:
+    _exit_with_owner(owner)
     try:
         ctx = _join_group(rank, world_size, tmp_dir, device, "reference", DEFAULT_PG_TIMEOUT_S,
                           DEFAULT_STARTUP_LIMIT_S)
@@ -247,14 +253,15 @@ class WorkerPool:
     def __init__(self, world_size: int, device: str = "cpu", start_timeout_s: float = DEFAULT_STARTUP_LIMIT_S):
         self.world_size = world_size
         self.device = device
-        self._mp = multiprocessing.get_context("spawn")
+        self._mp = _mp_context("forkserver", ())
         self._tmpdir = tempfile.TemporaryDirectory(prefix=f"te_ep_pool{world_size}{device}_")
         self._tasks = [self._mp.Queue() for _ in range(world_size)]
         self._replies = self._mp.Queue()
+        owner, self._owner = self._mp.Pipe(duplex=False)  # see _exit_with_owner
         self._procs = [
             self._mp.Process(
                 target=_worker_main,
-                args=(r, world_size, self._tmpdir.name, device, self._tasks[r], self._replies),
+                args=(r, world_size, self._tmpdir.name, device, self._tasks[r], self._replies, owner),
                 daemon=True,
                 name=f"te_ep_worker{r}of{world_size}{device}",
             )
@@ -262,8 +269,10 @@ class WorkerPool:
         ]
         for p in self._procs:
             p.start()
+        owner.close()
         self._next_task = 0
         self.alive = True
+        self._stopping = False
         got = self._collect(-1, start_timeout_s, what="pool start-up")
         bad = {r: v for r, (ok, v) in got.items() if not ok}
         if bad:
@@ -328,13 +337,20 @@ class WorkerPool:
         for q in self._tasks + [self._replies]:
             q.cancel_join_thread()
             q.close()
+        self._owner.close()
         self._tmpdir.cleanup()
+
+    def stop(self) -> None:
+        """Asks every worker to leave (its process group destroyed); `close` waits for them."""
+        if self.alive and not self._stopping:
+            self._stopping = True
+            for q in self._tasks:
+                q.put(None)
 
     def close(self) -> None:
         if not self.alive:
             return
-        for q in self._tasks:
-            q.put(None)
+        self.stop()
         for p in self._procs:
             p.join(timeout=10)
         self.kill()
@@ -385,6 +401,11 @@ class PoolRegistry:
         return self.get(launch.world_size, launch.device).run(fn, *args, timeout=timeout, launch=launch, **kwargs)
 
     def close(self) -> None:
+        # Every pool's workers leave side by side: each pays its process group's teardown and
+        # its interpreter's exit, seconds on a small machine, and pools wait for nothing of
+        # each other's.
+        for pool in self._pools.values():
+            pool.stop()
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()

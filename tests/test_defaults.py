@@ -5,14 +5,12 @@ its 0.2.0 schema default, which EpGroup never relies on (docs/ops.md, "create_ha
 """
 
 import inspect
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import te_ep_torch as te
-from _dist import REPO, subprocess_env
+from _dist import run_fresh
 from te_ep_torch.options import UNSET
 from te_ep_torch.parallel import ep_group_for
 
@@ -44,14 +42,17 @@ def test_transformers_takes_the_one_default():
     assert _default(parallelize_hf_moe) is UNSET  # deprecated keyword: options=EpOptions() carries the default
 
 
+def _torchtitan_config_mode(ctx):
+    from te_ep_torch.integrations.torchtitan import TeEpTokenDispatcher as D
+
+    return D.Config(num_experts=8, top_k=2, hidden_dim=8, num_max_tokens_per_rank=4).nccl_ep_mode
+
+
 def test_torchtitan_config_takes_the_one_default():
-    # TorchTitan is imported in an interpreter of its own, as tests/test_torchtitan.py does
-    code = ("import te_ep_torch as te; from te_ep_torch.integrations.torchtitan import TeEpTokenDispatcher as D; "
-            "print(D.Config(num_experts=8, top_k=2, hidden_dim=8, num_max_tokens_per_rank=4).nccl_ep_mode == te.DEFAULT_NCCL_EP_MODE)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "True", out.stdout
+    # TorchTitan is imported in a process of its own (a fresh one of the suite's launcher, which
+    # forks it from a process that imported torch and te_ep_torch once), never in pytest's, as
+    # tests/test_torchtitan.py does (its worker pools)
+    assert run_fresh(1, _torchtitan_config_mode, timeout=120) == [te.DEFAULT_NCCL_EP_MODE]
 
 
 def test_the_op_schema_keeps_its_020_default():

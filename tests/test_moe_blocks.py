@@ -215,6 +215,13 @@ def _run_bench(tmp_path, *extra, timeout=TIMEOUT_S):
     return output, rows
 
 
+def has_chunks_option() -> bool:
+    """Whether this te_ep_torch's EpOptions has ``chunks`` (the bench's --chunks N != 1 needs it)."""
+    import dataclasses
+
+    return "chunks" in {f.name for f in dataclasses.fields(te.EpOptions)}
+
+
 def _blocks(rows):
     return [(r["block"], r["backend"], r["mode"]) for r in rows]
 
@@ -277,9 +284,21 @@ def test_bench_moe_layer_cpu_bf16_grouped_mm(tmp_path):
     assert [r["alignment"] for r in rows] == ["8"] * 3
 
 
-def test_bench_moe_layer_cpu_without_compute_only(tmp_path):
-    output, rows = _run_bench(tmp_path, "--no-compute-only")
-    assert [r["block"] for r in rows] == ["native", "te_ep"] and "exposed comm" not in output, output
+def test_bench_moe_layer_cpu_without_compute_only_and_chunks(tmp_path):
+    """--no-compute-only: no compute-only row, no exposed-comm line. --chunks 1,2 --comm-sms 0,8
+    (in the same run: each is a row of its own) adds te.MoE built with te.EpOptions(chunks=2)
+    and with comm_sms=8, verified against native. Without the chunks field (an older te_ep_torch) only the first is run, and
+    test_bench_moe_layer_cpu_refuses_what_it_cannot_run checks that the bench refuses --chunks."""
+    chunks = has_chunks_option()
+    output, rows = _run_bench(tmp_path, "--no-compute-only",
+                              *(["--chunks", "1,2", "--comm-sms", "0,8"] if chunks else []))
+    assert [r["block"] for r in rows] == ["native", "te_ep",
+                                          *(["te_ep-chunks2", "te_ep-chunks2-sms8"] if chunks else [])], output
+    assert "exposed comm" not in output, output
+    assert "MISMATCH" not in output and "FAILED" not in output, output
+    if chunks:
+        for name in ("te_ep-chunks2", "te_ep-chunks2-sms8"):
+            assert f"verify {name}[reference, eager] vs native" in output, output
 
 
 def test_bench_moe_layer_cpu_compile(tmp_path):
@@ -296,21 +315,14 @@ def test_bench_moe_layer_cpu_compile(tmp_path):
 
 def test_bench_moe_layer_cpu_refuses_what_it_cannot_run(tmp_path):
     """--cuda-graph needs GPUs; --chunks N != 1 needs EpOptions.chunks (the row is built with
-    te.EpOptions(chunks=N)): without the field the run stops before starting, naming it."""
+    te.EpOptions(chunks=N)): without the field the run stops before starting, naming it (with
+    the field, test_bench_moe_layer_cpu_without_compute_only_and_chunks runs the row)."""
     script = REPO / "benchmarks" / "bench_moe_layer.py"
     env = subprocess_env(CUDA_VISIBLE_DEVICES="")
     graph = subprocess.run([sys.executable, str(script), "--device", "cpu", "--cuda-graph"], cwd=tmp_path, env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
     assert graph.returncode == 2 and "needs --device cuda" in graph.stdout, graph.stdout
-    import dataclasses
-
-    if "chunks" in {f.name for f in dataclasses.fields(te.EpOptions)}:
-        output, rows = _run_bench(tmp_path, "--chunks", "1,2", "--comm-sms", "0,8", "--no-compute-only")
-        assert [r["block"] for r in rows] == ["native", "te_ep", "te_ep-chunks2", "te_ep-chunks2-sms8"], output
-        for name in ("te_ep-chunks2", "te_ep-chunks2-sms8"):
-            assert f"verify {name}[reference, eager] vs native" in output, output
-        assert "MISMATCH" not in output, output
-    else:
+    if not has_chunks_option():
         chunks = subprocess.run([sys.executable, str(script), "--device", "cpu", "--chunks", "1,2"], cwd=tmp_path,
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 timeout=TIMEOUT_S)

@@ -7,13 +7,19 @@ the op's thread is blocked in. A private op (``te_ep._watchdog_test_hold``) hold
 inside a watched op of a real handle for a given time: a stalled op as the watchdog sees it.
 The handle is a reference-backend handle on a one-rank gloo group whose timeout is the limit,
 so the test also covers how the limit gets there (the process group's timeout, through
-EpGroup) and how the op is named. Each case runs in a fresh interpreter (the action is read
-once per process); the three run side by side. So do the interpreters that check how
+EpGroup) and how the op is named. Each case runs in a process of its own (the action is read
+once per process); the three run side by side. So do the processes that check how
 ``TE_EP_WATCHDOG`` picks the action, and that any other value is an error naming it.
+
+The processes are forks of one interpreter that imported torch (not te_ep_torch) once: each
+sets its ``TE_EP_WATCHDOG``, then imports te_ep_torch and runs its code as ``python -c`` would,
+leaving through the interpreter's normal exit (``_forked``). Importing torch costs seconds of
+a core per interpreter; te_ep_torch, which reads the variable, is new in every child.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -48,26 +54,77 @@ CHILD = textwrap.dedent(
 ) % {"limit": LIMIT_S}
 
 
-def _start(action: str, *holds: float) -> subprocess.Popen:
-    env = subprocess_env(TE_EP_WATCHDOG=action)
-    return subprocess.Popen([sys.executable, "-c", CHILD, *map(str, holds)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+# Runs each (TE_EP_WATCHDOG value, code, argv) in a fork of this interpreter, all side by side;
+# prints the exit codes (negative: the signal) as JSON. A child's stdout and stderr go to files.
+FORKER = textwrap.dedent(
+    """
+    import json, os, sys
+    # Once, for every child: torch and the parts of it te_ep_torch imports; te_ep_torch itself
+    # (and with it the variable's reading) is each child's own.
+    import torch, torch._dynamo, torch.distributed, torch.distributed.tensor
+
+    specs = json.loads(sys.argv[1])  # [[TE_EP_WATCHDOG, code, argv, stdout file, stderr file], ...]
+    sys.stdout.flush()
+    pids = []
+    for action, code, argv, out, err in specs:
+        pid = os.fork()
+        if pid == 0:
+            os.environ["TE_EP_WATCHDOG"] = action
+            for fd, path in ((1, out), (2, err)):
+                f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(f, fd)
+                os.close(f)
+            sys.argv = ["-c", *argv]
+            try:
+                exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+            except SystemExit:
+                raise
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+                sys.exit(1)
+            sys.exit(0)  # the interpreter's normal exit, as at the end of python -c
+        pids.append(pid)
+    print(json.dumps([os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]))
+    """
+)
 
 
-def _finish(proc: subprocess.Popen):
-    out, err = proc.communicate(timeout=120)
+def _forked(tmp_path, specs):
+    """Runs each ``(TE_EP_WATCHDOG value, code, argv)`` in a process of its own, side by side;
+    returns ``[(exit code, stdout, stderr), ...]``."""
+    files = [(str(tmp_path / f"child{i}.out"), str(tmp_path / f"child{i}.err")) for i in range(len(specs))]
+    arg = json.dumps([[action, code, [str(a) for a in argv], *paths]
+                      for (action, code, argv), paths in zip(specs, files)])
+    env = subprocess_env()
+    env.pop("TE_EP_WATCHDOG", None)
+    proc = subprocess.run([sys.executable, "-c", FORKER, arg], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr[-3000:])
+    codes = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = []
+    for code, (out, err) in zip(codes, files):
+        with open(out) as f_out, open(err) as f_err:
+            results.append((code, f_out.read(), f_err.read()))
+    return results
+
+
+def _case(result):
+    code, out, err = result
     said = [line for line in err.splitlines() if line.startswith("te_ep watchdog: ")]
     handle = next(line.split()[1:] for line in out.splitlines() if line.startswith("HANDLE"))
-    return proc.returncode, out, err, said, handle
+    return code, out, err, said, handle
 
 
-def test_watchdog_ends_a_stalled_op_and_spares_a_short_one():
-    # Started together: each child pays the imports once, and they overlap.
-    stalled = _start("exit", 0.2, 60.0)  # a short hold, then one far past the limit
-    warned = _start("warn", LIMIT_S + 1.0)
-    off = _start("off", LIMIT_S + 0.5)
+def test_watchdog_ends_a_stalled_op_and_spares_a_short_one(tmp_path):
+    # Started together, so they overlap.
+    stalled, warned, off = _forked(tmp_path, [
+        ("exit", CHILD, (0.2, 60.0)),  # a short hold, then one far past the limit
+        ("warn", CHILD, (LIMIT_S + 1.0,)),
+        ("off", CHILD, (LIMIT_S + 0.5,)),
+    ])
 
-    code, out, err, said, (handle_id, group_name, timeout_ms) = _finish(stalled)
+    code, out, err, said, (handle_id, group_name, timeout_ms) = _case(stalled)
     assert timeout_ms == str(int(LIMIT_S * 1000)), out  # the process group's timeout reached the handle
     returned = [line for line in out.splitlines() if line.startswith("RETURNED")]
     # the short hold returned, untouched; the long one never did
@@ -84,12 +141,12 @@ def test_watchdog_ends_a_stalled_op_and_spares_a_short_one():
     waited = float(message.split(" s after it was entered")[0].rsplit(" ", 1)[1])
     assert LIMIT_S <= waited < LIMIT_S + 2.0, message
 
-    code, out, err, said, _ = _finish(warned)
+    code, out, err, said, _ = _case(warned)
     assert code == 0, (code, out, err[-3000:])
     assert len(said) == 1 and "TE_EP_WATCHDOG=warn: the process goes on" in said[0], err[-3000:]
     assert "RETURNED" in out and out.split("RETURNED", 1)[1].strip().splitlines()[0].endswith("('warn', 0, 1)"), out
 
-    code, out, err, said, _ = _finish(off)
+    code, out, err, said, _ = _case(off)
     assert code == 0 and not said and "te_ep watchdog" not in err, (code, out, err[-3000:])
     assert "('off', 0, 0)" in out, out
 
@@ -102,18 +159,15 @@ def test_watchdog_state_op_reports_the_action():
     assert pending >= 0 and fired >= 0
 
 
-def test_action_follows_the_env_and_a_bad_value_is_named():
-    # TE_EP_WATCHDOG is read once per process: one fresh interpreter per value, side by side.
+def test_action_follows_the_env_and_a_bad_value_is_named(tmp_path):
+    # TE_EP_WATCHDOG is read once per process: one process per value, side by side.
     code = "from te_ep_torch import ops; print(ops.watchdog_state())"
     expected = {"": "exit", "exit": "exit", "warn": "warn", "off": "off", "0": "off", "sometimes": None}
-    procs = {value: subprocess.Popen([sys.executable, "-c", code], env=subprocess_env(TE_EP_WATCHDOG=value),
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for value in expected}
-    for value, proc in procs.items():
-        out, err = proc.communicate(timeout=300)
-        if expected[value] is None:
-            assert proc.returncode != 0, out
+    results = _forked(tmp_path, [(value, code, ()) for value in expected])
+    for (value, want), (returncode, out, err) in zip(expected.items(), results):
+        if want is None:
+            assert returncode != 0, out
             assert f"TE_EP_WATCHDOG must be 'exit' (the default), 'warn' or 'off', got '{value}'" in err, err[-3000:]
         else:
-            assert proc.returncode == 0, (value, err[-3000:])
-            assert out.strip() == f"('{expected[value]}', 0, 0)", (value, out)
+            assert returncode == 0, (value, err[-3000:])
+            assert out.strip() == f"('{want}', 0, 0)", (value, out)
