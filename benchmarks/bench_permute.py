@@ -17,14 +17,20 @@ Not a test: it never asserts timings.
 
 from __future__ import annotations
 
-import _common  # first: it sets the environment NCCL reads when it initialises
+# _common first: it sets the environment NCCL reads when it initialises. Run as a script, this
+# folder is on the import path; imported (bench_zone_ops.py, tests), _common is in its package.
+if __package__:
+    from . import _common
+    from ._common import Column
+else:
+    import _common
+    from _common import Column
 
 import argparse
 import sys
 
 import torch
 
-from _common import Column
 from te_ep_torch.permutation import permute, unpermute
 
 NUM_EXPERTS, TOP_K = 256, 8

@@ -28,7 +28,7 @@ from .options import UNSET, EpOptions
 from .overlap import comm_stream_for
 from .permutation import permute, permute_capacity, unpermute
 from .step import EpStep
-from .zones import expert_ffn, zone_scale
+from .zones import HeldWeightGrads, expert_ffn, zone_scale
 
 __all__ = [
     "EXPERT_IMPLS",
@@ -390,26 +390,43 @@ class GroupedExperts(nn.Module):
             return self.impl
         return "grouped_mm" if grouped_mm_supported(device, dtype, self.hidden, self.ffn_hidden) else "loop"
 
-    def forward(self, x: Tensor, expert_counts: Tensor) -> Tensor:
+    def hold_weight_grads(self, tokens: Tensor) -> Optional[HeldWeightGrads]:
+        """A :class:`~te_ep_torch.zones.HeldWeightGrads` of this rank's expert weights, for
+        :meth:`forward`'s ``held``, where it applies: in eager autograd (grad mode on, not
+        compiling), weights that take gradients, and ``torch._grouped_mm`` for rows like
+        ``tokens``; else ``None``. :meth:`EpStep.run <te_ep_torch.step.EpStep.run>` calls it
+        before each dispatch."""
+        weights = (_local(self.w_gate), _local(self.w_up), _local(self.w_down))
+        if (not torch.is_grad_enabled() or torch.compiler.is_compiling() or not any(w.requires_grad for w in weights)
+                or self.resolved_impl(tokens.device, tokens.dtype) != "grouped_mm"):
+            return None
+        return HeldWeightGrads(weights)
+
+    def forward(self, x: Tensor, expert_counts: Tensor, held: Optional[HeldWeightGrads] = None) -> Tensor:
         """Runs the local experts (:func:`te_ep_torch.zones.expert_ffn`).
 
         Args:
             x: ``[rows, hidden]`` expert-major zones (zone ``e`` starts at
                 ``expert_counts[:e].sum()``), padding rows zero.
             expert_counts: ``[E_local]`` int32 rows per zone, padding included.
+            held: what :meth:`hold_weight_grads` made for this call: the experts run on its
+                weights, which take their gradients after the dispatch's backward.
 
         Returns:
             ``[rows, hidden]``; padding rows zero, rows past the zones unspecified (never
             computed: the work follows the rows in use, not ``rows``).
         """
-        w_gate, w_up, w_down = _local(self.w_gate), _local(self.w_up), _local(self.w_down)
+        if held is not None:
+            w_gate, w_up, w_down = held.weights
+        else:
+            w_gate, w_up, w_down = _local(self.w_gate), _local(self.w_up), _local(self.w_down)
         if expert_counts.shape[0] != w_gate.shape[0]:
             raise ValueError(
                 f"GroupedExperts: expert_counts has {expert_counts.shape[0]} zones, "
                 f"this rank holds {w_gate.shape[0]} experts"
             )
         return expert_ffn(x, expert_counts, (w_gate, w_up), w_down, gate="swiglu",
-                          impl=self.resolved_impl(x.device, x.dtype))
+                          impl=self.resolved_impl(x.device, x.dtype), held=held)
 
 
 class MoE(nn.Module):

@@ -39,6 +39,7 @@ eagerly (collective), never while tracing or capturing.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple, TypeVar, Union
 
 import torch
@@ -381,13 +382,14 @@ class EpStep:
                               prepared, comm)
 
     def _dispatch(self, handle: EpHandle, bad: Optional[str], tokens: Tensor, topk_idx: Tensor,
-                  topk_weights: Tensor, prepared, comm: Optional["CommStream"]):
+                  topk_weights: Tensor, prepared, comm: Optional["CommStream"], order: Optional[Tensor] = None):
         tokens = tokens.contiguous()
         topk_idx = topk_idx.contiguous()
         topk_weights = topk_weights.to(torch.float32).contiguous()
         op = ep_dispatch_fp8 if self.fp8 else ep_dispatch
         return _deferred(bad, handle, lambda: launch(
-            comm, lambda: op(handle, tokens, topk_idx, topk_weights, prepared=prepared), (tokens, topk_idx, topk_weights)))
+            comm, lambda: op(handle, tokens, topk_idx, topk_weights, prepared=prepared, order=order),
+            (tokens, topk_idx, topk_weights)))
 
     def join(self, comm: Optional["CommStream"], launched, tokens: Optional[Tensor] = None):
         """The current stream waits for ``launched`` (a :meth:`dispatch` or :meth:`combine`).
@@ -424,7 +426,12 @@ class EpStep:
                 rest of the router) and ``on_weights(topk_idx, topk_weights)`` once the weights
                 are (the dispatch is launched there); its result comes back as ``routed``
                 (``None`` for a tuple).
-            experts: the layer's local experts on the received zones (called once per chunk).
+            experts: the layer's local experts on the received zones (called once per chunk). If
+                they offer ``hold_weight_grads(tokens)`` (:class:`te_ep_torch.GroupedExperts`),
+                its result for each chunk (made before that chunk's dispatch, which takes its
+                ``order``) is passed as ``experts(rows, counts, held=...)``: their weight
+                gradients are then made after the dispatch's backward is queued, under its
+                communication (:class:`te_ep_torch.zones.HeldWeightGrads`).
             comm: the communication stream (:class:`~te_ep_torch.overlap.CommStream`), or
                 ``None``: the same calls in the same order, at once.
             behind_dispatch, behind_combine: the caller's work on the current stream while the
@@ -443,6 +450,8 @@ class EpStep:
         parts = tokens.tensor_split(n) if n > 1 else (tokens,)
         prepared: List[Tuple[Tensor, Tensor]] = []
         launched: list = []
+        hold = getattr(experts, "hold_weight_grads", None)
+        held: list = []
 
         def on_select(topk_idx: Tensor) -> None:
             idx = topk_idx.tensor_split(n) if n > 1 else (topk_idx,)
@@ -452,8 +461,10 @@ class EpStep:
             idx = topk_idx.tensor_split(n) if n > 1 else (topk_idx,)
             w = topk_weights.tensor_split(n) if n > 1 else (topk_weights,)
             for c in range(n):
+                held.append(hold(parts[c]) if hold is not None else None)
                 launched.append(self._dispatch(handles[c], bad, parts[c], idx[c], w[c],
-                                               prepared[c] if prepared else None, comm))
+                                               prepared[c] if prepared else None, comm,
+                                               held[c].order if held[c] is not None else None))
 
         if callable(routing):
             routed = routing(on_select, on_weights)
@@ -463,12 +474,13 @@ class EpStep:
         if not launched:
             raise RuntimeError(f"{self.name}: the router returned without calling on_weights: nothing was dispatched")
         side = behind_dispatch() if behind_dispatch is not None else None
-        if comm is not None and n > 1:
-            experts = _carved(experts, self.options.comm_sms)
         combined = []
         for c in range(n):
             d = self._joined(comm, launched[c], parts[c], handles[c])
-            combined.append(self.combine(experts(d.rows, d.expert_counts), d, comm))
+            run_experts = experts if held[c] is None else functools.partial(experts, held=held[c])
+            if comm is not None and n > 1:
+                run_experts = _carved(run_experts, self.options.comm_sms)
+            combined.append(self.combine(run_experts(d.rows, d.expert_counts), d, comm))
         if behind_combine is not None:
             side = behind_combine(side)
         outs = [join(comm, y) for y in combined]

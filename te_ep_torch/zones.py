@@ -15,7 +15,9 @@ in use, summed from the counts on the device (no host sync; capturable; traceabl
 * :func:`expert_ffn`: the expert FFN of ``te_ep_torch.MoE``, the TorchTitan experts and the
   transformers experts, built from those;
 * :func:`weighted_for_combine`: the weighting, written straight into the combine window
-  of a zero-copy handle (:func:`te_ep_torch.ops.scale_into_window`).
+  of a zero-copy handle (:func:`te_ep_torch.ops.scale_into_window`);
+* :class:`HeldWeightGrads`: the experts' weight gradients held back in backward until the
+  dispatch's backward is queued, so that they run under that communication.
 
 Rows past the zones are never read or written: their content is unspecified, in the
 outputs and in the gradients. The ops that consume these buffers (``combine``,
@@ -26,7 +28,7 @@ outputs and in the gradients. The ops that consume these buffers (``combine``,
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple, Union
+from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -34,7 +36,8 @@ from torch import Tensor
 # Loads the op library and registers the zone ops' fake kernels and autograd formulas.
 from .ops.zones import scale_into_window
 
-__all__ = ["GATES", "expert_ffn", "grouped_linear", "weighted_for_combine", "zone_bias", "zone_glu", "zone_scale"]
+__all__ = ["GATES", "HeldWeightGrads", "expert_ffn", "grouped_linear", "weighted_for_combine", "zone_bias", "zone_glu",
+           "zone_scale"]
 
 # The gated activations the zone kernels compute (docs/ops.md, "Zone ops").
 GATES = ("swiglu", "clamped_swiglu")
@@ -82,17 +85,24 @@ class _Fork(torch.autograd.Function):
         return torch.ops.te_ep.zone_add(g1.contiguous(), g2.contiguous(), counts), None
 
 
-def grouped_linear(x: Tensor, w: Tensor, counts: Tensor, impl: str = "grouped_mm") -> Tensor:
+def grouped_linear(x: Tensor, w: Tensor, counts: Tensor, impl: str = "grouped_mm",
+                   held: Optional["HeldWeightGrads"] = None) -> Tensor:
     """``x @ w[e]`` for the rows of zone ``e``; ``x [R, in]``, ``w [E_local, in, out]`` -> ``[R, out]``.
 
     ``impl="grouped_mm"``: one ``torch._grouped_mm`` (bf16, Hopper+), which leaves the rows
     past the last zone unwritten, in its output and in its input's gradient.
     ``"loop"``: a dense GEMM per local expert over the whole buffer, each row kept from its
     own expert (static shapes, any device and dtype; ``E_local`` times the FLOPs, the
-    fallback where there is no grouped GEMM); rows past the zones come out zero."""
+    fallback where there is no grouped GEMM); rows past the zones come out zero.
+    ``held``: ``w`` is one of its :attr:`HeldWeightGrads.weights` and ``w``'s gradient is
+    taken there (``impl="grouped_mm"`` only)."""
     if impl not in IMPLS:
         raise ValueError(f"grouped_linear: impl must be one of {IMPLS}, got {impl!r}")
     x = x.to(w.dtype)
+    if held is not None:
+        if impl != "grouped_mm":
+            raise ValueError(f"grouped_linear: held weight gradients need impl='grouped_mm', got {impl!r}")
+        return held.linear(x, w, counts)
     if impl == "grouped_mm":
         return torch._grouped_mm(x, w, offs=counts.cumsum(0, dtype=torch.int32))
     ends = counts.cumsum(0)
@@ -103,6 +113,84 @@ def grouped_linear(x: Tensor, w: Tensor, counts: Tensor, impl: str = "grouped_mm
         mine = ((rows >= starts[e]) & (rows < ends[e])).unsqueeze(1)
         out = torch.where(mine, torch.where(mine, x, 0) @ w[e], out)
     return out
+
+
+class HeldWeightGrads:
+    """The experts' weight gradients of one dispatch, held back in backward until that
+    dispatch's backward is queued.
+
+    A grouped GEMM's backward makes two gradients: its input's (what the dispatch's backward
+    sends back to the tokens' ranks) and its weight's (what only the optimizer reads). Held,
+    the experts' backward makes the input gradients alone; the dispatch's backward is queued
+    next (on the communication stream when the step has one), and the weight gradients
+    after it, on the current stream: they run while the dispatch's backward communicates.
+
+    Made before the dispatch, from the weights the experts will use: run the experts with
+    :attr:`weights` (views of them, through :func:`grouped_linear`'s ``held``), and give
+    :attr:`order` (a zero-size tensor) to the dispatch (``ep_dispatch(..., order=)``), whose
+    backward then comes first: autograd runs this object's backward, which makes the weight
+    gradients, only after every node that took an output of it. Gradients are those of
+    ``torch._grouped_mm``'s own backward (the same GEMMs); memory: each GEMM's output
+    gradient lives on until the weight gradients are made, right after the dispatch's backward
+    is queued. Eager only (:meth:`EpStep.run <te_ep_torch.step.EpStep.run>` holds them where
+    the experts offer it: :meth:`te_ep_torch.GroupedExperts.hold_weight_grads`)."""
+
+    __slots__ = ("weights", "order", "_inputs")
+
+    def __init__(self, weights: Sequence[Tensor]) -> None:
+        # What each GEMM's backward leaves for its weight's gradient: {weight index: (x, dy, offs)}.
+        self._inputs: Dict[int, Tuple[Tensor, Tensor, Tensor]] = {}
+        *views, self.order = _Hold.apply(self._inputs, *weights)
+        self.weights: Tuple[Tensor, ...] = tuple(views)
+
+    def linear(self, x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+        """``grouped_linear(x, w, counts)`` for ``w`` one of :attr:`weights`."""
+        index = next((i for i, v in enumerate(self.weights) if v is w), None)
+        if index is None:
+            raise ValueError("HeldWeightGrads.linear: w must be one of its weights (the views it made)")
+        return _HeldGroupedMm.apply(x, w, counts.cumsum(0, dtype=torch.int32), self._inputs, index)
+
+
+class _Hold(torch.autograd.Function):
+    """The weights, viewed (the experts run on the views) and a zero-size ``order`` tensor; in
+    backward, the weights' gradients from what the GEMMs left."""
+
+    @staticmethod
+    def forward(ctx, inputs: Dict[int, Tuple[Tensor, Tensor, Tensor]], *weights: Tensor):
+        ctx.inputs = inputs
+        ctx.set_materialize_grads(False)
+        return (*(w.view_as(w) for w in weights), weights[0].new_empty(0))
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[Tensor]):
+        inputs = ctx.inputs
+        grads_w = []
+        for i in range(len(grads) - 1):
+            got = inputs.pop(i, None)
+            # torch._grouped_mm's own weight gradient: x^T @ dy, zone by zone.
+            grads_w.append(None if got is None else torch._grouped_mm(got[0].t(), got[1], offs=got[2]))
+        return (None, *grads_w)
+
+
+class _HeldGroupedMm(torch.autograd.Function):
+    """``torch._grouped_mm(x, w, offs)`` whose backward makes ``x``'s gradient and leaves
+    ``(x, dy, offs)`` for ``w``'s (:class:`_Hold`), giving ``w`` a zero that costs nothing."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, offs: Tensor, inputs: Dict[int, Tuple[Tensor, Tensor, Tensor]],
+                index: int) -> Tensor:
+        ctx.save_for_backward(x, w, offs)
+        ctx.inputs, ctx.index = inputs, index
+        return torch._grouped_mm(x, w, offs=offs)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, w, offs = ctx.saved_tensors
+        dx = torch._grouped_mm(dy, w.transpose(-2, -1), offs=offs) if ctx.needs_input_grad[0] else None
+        if not ctx.needs_input_grad[1]:
+            return dx, None, None, None, None
+        ctx.inputs[ctx.index] = (x, dy, offs)
+        return dx, torch.zeros((), dtype=w.dtype, device=w.device).expand(w.shape), None, None, None
 
 
 def expert_ffn(
@@ -119,6 +207,7 @@ def expert_ffn(
     limit: float = 0.0,
     activation: Optional[Callable[[Tensor], Tensor]] = None,
     impl: str = "grouped_mm",
+    held: Optional[HeldWeightGrads] = None,
 ) -> Tensor:
     """The local experts on the zones of ``rows [R, H]``: ``gate(rows @ w1[e] + b1[e]) @ w2[e] + b2[e]``.
 
@@ -130,6 +219,7 @@ def expert_ffn(
     ``activation``: a model's own function of the first projection, used instead of the
     gate kernel (for activations the zone kernels do not compute). It runs over every row
     of the buffer, so its cost follows the capacity: the one part here that does.
+    ``held``: the weights are views of a :class:`HeldWeightGrads`, which takes their gradients.
     Returns ``[R, H_out]`` in ``w2``'s dtype; rows past the zones unspecified."""
     if activation is None and gate not in GATES:
         raise ValueError(f"expert_ffn: gate must be one of {GATES}, got {gate!r}")
@@ -138,14 +228,14 @@ def expert_ffn(
             raise ValueError("expert_ffn: w1=(w_gate, w_up) takes no b1, activation or interleaved (one w1 does)")
         w_gate, w_up = w1
         for_gate, for_up = _Fork.apply(rows, counts) if rows.requires_grad else (rows, rows)
-        h = zone_glu(grouped_linear(for_gate, w_gate, counts, impl), counts, gate, False, alpha, limit,
-                     up=grouped_linear(for_up, w_up, counts, impl))
+        h = zone_glu(grouped_linear(for_gate, w_gate, counts, impl, held), counts, gate, False, alpha, limit,
+                     up=grouped_linear(for_up, w_up, counts, impl, held))
     else:
-        h = grouped_linear(rows, w1, counts, impl)
+        h = grouped_linear(rows, w1, counts, impl, held)
         if b1 is not None:
             h = zone_bias(h, b1, counts)
         h = activation(h) if activation is not None else zone_glu(h, counts, gate, interleaved, alpha, limit)
-    y = grouped_linear(h, w2, counts, impl)
+    y = grouped_linear(h, w2, counts, impl, held)
     if b2 is not None:
         y = zone_bias(y, b2, counts)
     return y

@@ -86,6 +86,12 @@ def _worker_chunks(ctx, dtype: str = "float32", chunks=(2, 3), comm_sms: int = 0
         assert torch.equal(layers[n].read_expert_load(), layers[1].read_expert_load())
 
 
+def _local_of(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _worker_schedule_and_errors(ctx) -> None:
     """The chunked layer's ops in pipelined order (CPU: a stand-in stream that runs the work at
     once and marks launch and join), and its bad arguments."""
@@ -156,6 +162,48 @@ def _worker_schedule_and_errors(ctx) -> None:
         assert forward[until + 1] == "te_ep.combine", forward[until:until + 2]
     assert forward.count("te_ep.combine") == n
     assert backward.count("te_ep.combine_bwd") == n and backward.count("te_ep.dispatch_bwd") == n, backward
+
+    # Held weight gradients (experts on torch._grouped_mm, here on CPU): in backward each chunk's
+    # dispatch_bwd is queued before its experts' weight-gradient GEMMs, which then run under it;
+    # outputs and gradients are the unheld layer's, bit for bit.
+    from te_ep_torch.moe import GroupedExperts
+
+    def held_run(hold: bool):
+        m = _build(ctx, mesh, n, torch.float32, expert_impl="grouped_mm")
+        order = []
+
+        class GemmLog(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = str(func.overloadpacket)
+                if name == "te_ep.dispatch_bwd":
+                    order.append("dispatch_bwd")
+                elif func.overloadpacket is torch.ops.aten._grouped_mm:
+                    order.append("wgrad" if args[1].dim() == 2 else "gemm")
+                return func(*args, **(kwargs or {}))
+
+        real_hold = GroupedExperts.hold_weight_grads
+        if not hold:
+            GroupedExperts.hold_weight_grads = lambda self, tokens: None
+        moe_module.comm_stream_for = lambda dev: InlineStream()
+        try:
+            x = torch.randn(30, 64, generator=torch.Generator().manual_seed(rank)).requires_grad_(True)
+            y = m(x)
+            with GemmLog():
+                y.square().sum().backward()
+        finally:
+            moe_module.comm_stream_for = real
+            GroupedExperts.hold_weight_grads = real_hold
+        return [y.detach(), x.grad] + [p.grad for p in m.parameters()], order
+
+    held_results, held_order = held_run(True)
+    plain_results, plain_order = held_run(False)
+    for i, (a, b) in enumerate(zip(held_results, plain_results)):
+        assert torch.equal(_local_of(a), _local_of(b)), f"result {i} differs when the weight gradients are held"
+    assert held_order.count("dispatch_bwd") == n and held_order.count("wgrad") == 3 * n, held_order
+    # Every chunk's input-gradient GEMMs (autograd takes the experts, made after every
+    # dispatch, first), then chunk by chunk its dispatch_bwd and its 3 weight gradients.
+    assert held_order == ["gemm"] * 3 * n + (["dispatch_bwd"] + ["wgrad"] * 3) * n, held_order
+    assert plain_order.index("dispatch_bwd") > plain_order.index("wgrad"), plain_order
 
     # comm_sms: the experts' GEMMs of each chunk run under torch's SM carveout, forward and
     # backward (a probe inside the experts reads it), and the caller's setting comes back after.

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import te_ep_torch  # noqa: F401  (loads the library)
-from te_ep_torch.zones import expert_ffn, grouped_linear, weighted_for_combine, zone_bias, zone_glu, zone_scale
+from te_ep_torch.zones import (HeldWeightGrads, expert_ffn, grouped_linear, weighted_for_combine, zone_bias, zone_glu,
+                               zone_scale)
 
 NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, NO_GPU])]
@@ -191,6 +192,59 @@ def test_counts_past_the_buffer_stop_at_its_rows(device):
     torch.testing.assert_close(zone_scale(y, w, counts), y)
 
 
+def _shifted(t):
+    """``t``'s values at an address one element past a 16-byte boundary: the CUDA kernels then
+    take one element an access instead of 16 bytes."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    out = buf[1:].view_as(t)
+    out.copy_(t)
+    assert out.data_ptr() % 16 != 0 and out.is_contiguous()
+    return out
+
+
+@pytest.mark.gpu
+@NO_GPU
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zone_kernels_give_the_same_bits_with_and_without_wide_accesses(dtype):
+    """At a layer's widths (a buffer of 37 rows in use of 48, widths 1536 and 4096) every zone
+    kernel gives the same bits whether its rows are 16-byte aligned (16 bytes an access) or
+    not (one element an access); the weights' gradient, a dot product a row, only sums in
+    another order. Both agree with the CPU ops."""
+    dev = "cuda"
+    counts = torch.tensor([20, 0, 17], dtype=torch.int32, device=dev)
+    total = int(counts.sum())
+    g, u, d = (_rows(48, 1536, dtype, dev, seed) for seed in (0, 1, 2))
+    y, grad, b = (_rows(48, 4096, dtype, dev, seed) for seed in (3, 4, 5))
+    bias = _rows(3, 4096, dtype, dev, 6)
+    w = torch.rand(48, device=dev)
+    te = torch.ops.te_ep
+
+    def run(g, u, d, y, grad, b, bias, w):
+        out = torch.full_like(y, SENTINEL)
+        te.zone_scale_into(y, w, counts.to(y.device), out)
+        c = counts.to(y.device)
+        return [te.zone_glu(g, c, "swiglu", False, 1.0, 0.0, u),
+                te.zone_glu(g, c, "clamped_swiglu", False, 1.702, 1.5, u),
+                *te.zone_glu_bwd(d, g, c, "swiglu", False, 1.0, 0.0, u),
+                *te.zone_glu_bwd(d, g, c, "clamped_swiglu", False, 1.702, 1.5, u),
+                te.zone_bias(y, bias, c), te.zone_add(grad, b, c), te.zone_scale(y, w, c), out,
+                *te.zone_scale_bwd(grad, y, w, c)]
+
+    inputs = (g, u, d, y, grad, b, bias, w)
+    wide = run(*inputs)
+    narrow = run(*(_shifted(t) for t in inputs[:-1]), w)
+    cpu = run(*(t.cpu() for t in inputs))
+    assert (wide[9][total:] == SENTINEL).all() and (narrow[9][total:] == SENTINEL).all(), "rows past the zones written"
+    dot = dict(rtol=1e-4, atol=1e-3)  # the weights' gradient: 4096-term sums in another order
+    for i, (a, c) in enumerate(zip(wide[:-1], narrow[:-1])):
+        assert torch.equal(a[:total], c[:total]), f"output {i}: wide and narrow accesses differ"
+    torch.testing.assert_close(wide[-1], narrow[-1], **dot)
+    tol = TOL[dtype] if dtype == torch.float32 else dict(rtol=2**-7, atol=2**-7)
+    for i, (a, c) in enumerate(zip(wide, cpu)):
+        torch.testing.assert_close(a[:total].cpu().float(), c[:total].float(), **(dot if i == len(wide) - 1 else tol),
+                                   msg=lambda m, i=i: f"output {i} against the CPU op: {m}")
+
+
 def test_bad_arguments_name_the_argument():
     counts = _counts("cpu")
     y = torch.zeros(10, 8)
@@ -265,6 +319,76 @@ def test_expert_ffn_model_activation():
         expert_ffn(x, counts, (w1, w1), w2, b1=torch.zeros(4, 6))
     with pytest.raises(ValueError, match="impl must be one of"):
         grouped_linear(x, w1, counts, impl="dense")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_held_weight_grads_come_after_the_dispatch_backward(device):
+    """Experts run on HeldWeightGrads' weights give torch._grouped_mm's own outputs and
+    gradients, bit for bit; in backward the input gradients come first, then the backward of
+    the op that took ``order`` (a dispatch, here a stand-in), then the weight gradients."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts = torch.tensor([16, 0, 24, 8], dtype=torch.int32, device=device)
+    x0 = _rows(56, 32, torch.bfloat16, device)
+    w1 = _rows(4 * 32, 48, torch.bfloat16, device, 1).view(4, 32, 48)
+    w2 = _rows(4 * 32, 48, torch.bfloat16, device, 2).view(4, 32, 48)
+    w3 = _rows(4 * 48, 32, torch.bfloat16, device, 3).view(4, 48, 32)
+    grad_y = _rows(56, 32, torch.bfloat16, device, 4)
+    log = []
+
+    class Dispatch(torch.autograd.Function):
+        """A dispatch's autograd shape: tokens in, rows out, ``order`` taken and given nothing."""
+
+        @staticmethod
+        def forward(ctx, tokens, order):
+            return tokens.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            log.append("dispatch_bwd")
+            return grad.clone(), None
+
+    class GemmLog(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten._grouped_mm:
+                log.append("wgrad" if args[1].dim() == 2 else "gemm")
+            return func(*args, **(kwargs or {}))
+
+    def step(hold):
+        weights = [w.clone().requires_grad_() for w in (w1, w2, w3)]
+        tokens = x0.clone().requires_grad_()
+        held = HeldWeightGrads(weights) if hold else None
+        run = held.weights if hold else weights
+        rows = Dispatch.apply(tokens, held.order if hold else None)
+        y = expert_ffn(rows, counts, (run[0], run[1]), run[2], impl="grouped_mm", held=held)
+        log.clear()
+        with GemmLog():
+            y.backward(grad_y)
+        return [y, tokens.grad] + [w.grad for w in weights], list(log)
+
+    held_results, held_log = step(True)
+    plain_results, plain_log = step(False)
+    for i, (a, b) in enumerate(zip(held_results, plain_results)):
+        assert torch.equal(a[:40], b[:40]) if i < 2 else torch.equal(a, b), f"result {i} differs when held"
+    # Held: the three GEMMs' input gradients, the dispatch's backward, then the weight gradients.
+    assert held_log == ["gemm"] * 3 + ["dispatch_bwd"] + ["wgrad"] * 3, held_log
+    assert plain_log.index("dispatch_bwd") == len(plain_log) - 1 and plain_log.count("wgrad") == 3, plain_log
+    with pytest.raises(ValueError, match="w must be one of its weights"):
+        HeldWeightGrads([w1.clone().requires_grad_()]).linear(x0, w1, counts)
+    with pytest.raises(ValueError, match="held weight gradients need impl='grouped_mm'"):
+        grouped_linear(x0, w1, counts, impl="loop", held=HeldWeightGrads([w1.clone().requires_grad_()]))
+
+
+def test_bench_zone_ops_compares_like_with_like():
+    """benchmarks/bench_zone_ops.py's PyTorch baseline computes what each te_ep op computes, on
+    the rows in use (CPU, small shapes)."""
+    from benchmarks import bench_zone_ops
+
+    for name, _, _, te_call, torch_call in bench_zone_ops.cases(96, 64, 32, torch.float32, dev="cpu"):
+        got, want = te_call(), torch_call()
+        got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a[:96], b[:96], rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_weighted_for_combine_without_a_window_is_zone_scale():

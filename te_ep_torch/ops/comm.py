@@ -432,7 +432,8 @@ def ep_prepare(handle: EpHandle, topk_idx: Tensor) -> Tuple[Tensor, Tensor]:
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tokens: Tensor, topk_weights: Tensor, handle: EpHandle, topk_idx: Optional[Tensor]):
+    def forward(ctx, tokens: Tensor, topk_weights: Tensor, handle: EpHandle, topk_idx: Optional[Tensor],
+                order: Optional[Tensor]):
         recv, weights, counts, total = _dispatch_op(handle, tokens, topk_weights, topk_idx)
         _save_handle(ctx, handle)
         ctx.num_tokens = tokens.shape[0]
@@ -444,7 +445,7 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_recv: Tensor, grad_weights: Tensor, *_counts_total):
         grad_tokens, grad_topk_weights = _dispatch_backward(ctx, grad_recv, grad_weights, "ep_dispatch")
-        return grad_tokens, grad_topk_weights, None, None
+        return grad_tokens, grad_topk_weights, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -469,6 +470,8 @@ def ep_dispatch(
     topk_idx: Tensor,
     topk_weights: Tensor,
     prepared: Optional[Tuple[Tensor, Tensor]] = None,
+    *,
+    order: Optional[Tensor] = None,
 ) -> DispatchOutput:
     """Routes ``tokens [T, H]`` to their experts (collective; prepare and dispatch, one op).
 
@@ -482,6 +485,9 @@ def ep_dispatch(
             prepares here, in the dispatch's own op (``prepare_dispatch``: under
             ``checks="local"`` one op, which on ``nccl_ep`` queues less between NCCL EP's
             two calls than ``prepare`` and ``dispatch`` apart).
+        order: a tensor whose autograd node must run its backward after this dispatch's
+            backward has been queued (:attr:`te_ep_torch.zones.HeldWeightGrads.order`); never
+            read, and it gets no gradient.
 
     Returns:
         :class:`DispatchOutput`; gradients flow back to ``tokens`` and ``topk_weights``.
@@ -489,7 +495,7 @@ def ep_dispatch(
     # Without a prepared routing, one op prepares and dispatches (prepare_dispatch).
     topk_idx = handle.begin_step(topk_idx) if prepared is None else None
     if _needs_graph(tokens, topk_weights):
-        out = _Dispatch.apply(tokens, topk_weights, handle, topk_idx)
+        out = _Dispatch.apply(tokens, topk_weights, handle, topk_idx, order)
     else:  # nothing to differentiate: the op alone, without the autograd Function's host cost
         out = _dispatch_op(handle, tokens, topk_weights, topk_idx)
     recv, weights = out[0], out[1]
@@ -559,7 +565,7 @@ def _dispatch_fp8_op(handle: EpHandle, tokens: Tensor, scales: Optional[Tensor],
 class _DispatchFp8(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens: Tensor, scales: Optional[Tensor], topk_weights: Tensor, handle: EpHandle,
-                pow2_scales: bool, unchecked: bool, topk_idx: Optional[Tensor]):
+                pow2_scales: bool, unchecked: bool, topk_idx: Optional[Tensor], order: Optional[Tensor]):
         recv_values, recv_scales, recv_weights, sink, counts, total = _dispatch_fp8_op(
             handle, tokens, scales, topk_weights, topk_idx, pow2_scales, unchecked)
         ctx.mark_non_differentiable(recv_values, recv_scales)
@@ -575,7 +581,7 @@ class _DispatchFp8(torch.autograd.Function):
     def backward(ctx, _grad_values, _grad_scales, grad_weights: Optional[Tensor], grad_rows: Optional[Tensor],
                  *_counts_total):
         if grad_weights is None and grad_rows is None:
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         cfg = ctx.handle.config
         handle_mem = ctx.saved_tensors[0]
         if grad_rows is None:
@@ -583,7 +589,7 @@ class _DispatchFp8(torch.autograd.Function):
         if grad_weights is None:
             grad_weights = handle_mem.new_zeros((cfg.capacity,), dtype=torch.float32)
         grad_tokens, grad_topk_weights = _dispatch_backward(ctx, grad_rows, grad_weights, "ep_dispatch_fp8")
-        return grad_tokens, None, grad_topk_weights, None, None, None, None
+        return grad_tokens, None, grad_topk_weights, None, None, None, None, None
 
 
 class _DequantizeRows(torch.autograd.Function):
@@ -607,6 +613,7 @@ def ep_dispatch_fp8(
     *,
     scales: Optional[Tensor] = None,
     pow2_scales: bool = False,
+    order: Optional[Tensor] = None,
 ) -> Fp8DispatchOutput:
     """Routes ``tokens [T, H]`` to their experts as block-scaled FP8 (collective).
 
@@ -623,6 +630,7 @@ def ep_dispatch_fp8(
         scales: ``[T, H / 128]`` float32 scales of pre-quantized ``tokens``; ``None``
             quantizes here.
         pow2_scales: quantize with power-of-two scales.
+        order: as in :func:`ep_dispatch`.
 
     Returns:
         :class:`Fp8DispatchOutput`. Gradients: ``topk_weights`` gets its gradient as with
@@ -650,7 +658,8 @@ def ep_dispatch_fp8(
     topk_idx = handle.begin_step(topk_idx) if prepared is None else None
     try:
         if _needs_graph(tokens, topk_weights):
-            out = _DispatchFp8.apply(tokens, scales, topk_weights, handle, pow2_scales, bad is not None, topk_idx)
+            out = _DispatchFp8.apply(tokens, scales, topk_weights, handle, pow2_scales, bad is not None, topk_idx,
+                                      order)
         else:  # nothing to differentiate: the ops alone, without the autograd Function's host cost
             out = _dispatch_fp8_op(handle, tokens, scales, topk_weights, topk_idx, pow2_scales, bad is not None)
     except RuntimeError as exc:
