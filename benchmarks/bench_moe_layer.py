@@ -37,7 +37,8 @@ expert, ``y[t] = sum_k w[t, k] * expert_{idx[t, k]}(x[t])``. Rows:
   ``options=te.EpOptions(chunks=N)`` (and the run's capacity option); needs a te_ep_torch
   whose EpOptions has ``chunks``, else the run stops at once saying so;
 * ``te_ep-chunksN-smsK`` (--comm-sms K, each K != 0) the same with ``comm_sms=K``: the chunks'
-  expert GEMMs leave K SMs to the communication kernels beside them;
+  expert GEMMs leave K SMs to the communication kernels beside them; with --overlap also
+  ``te_ep-overlap-smsK``: the experts' weight gradients under ``dispatch_bwd`` leave K SMs;
 * ``compute`` after each backend's te_ep layer (unless --no-compute-only):
   ``ComputeOnlyMoE``, the same MoE's router, experts, weighting and shared expert with
   dispatch and combine replaced by local stand-ins of the same shapes (``te.permute`` of
@@ -219,8 +220,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="comma-separated chunk counts; each N != 1 adds a te_ep-chunksN row "
                              "(te.MoE with options=te.EpOptions(chunks=N)); default 1")
     parser.add_argument("--comm-sms", type=_sms_list, default=[0],
-                        help="comma-separated SM counts the chunked rows' GEMMs leave to the communication "
-                             "(te.EpOptions(comm_sms=K)); each K != 0 adds a te_ep-chunksN-smsK row per N; default 0")
+                        help="comma-separated SM counts the GEMMs beside the communication leave to it "
+                             "(te.EpOptions(comm_sms=K)); each K != 0 adds a te_ep-chunksN-smsK row per N (and "
+                             "te_ep-overlap-smsK with --overlap); default 0")
     parser.add_argument("--warmup", type=int, help="untimed steps per measurement (default 10; cpu 1)")
     parser.add_argument("--iters", type=int, help="timed steps per measurement (default 30; cpu 3)")
     parser.add_argument("--no-compute-only", action="store_true",
@@ -509,7 +511,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             # What a user gets without sizing the buffer (the default capacity, the worst case).
             variants.append(("te_ep-default", make_moe(args, group, native, dtype), tol))
         if args.overlap:
-            variants.append(("te_ep-overlap", make_moe(args, group, native, dtype, overlap=True, handle=handle), tol))
+            for sms in args.comm_sms:
+                variants.append(("te_ep-overlap" + (f"-sms{sms}" if sms else ""),
+                                 make_moe(args, group, native, dtype, overlap=True, comm_sms=sms, handle=handle), tol))
         if args.fp8:
             variants.append(("te_ep-fp8", make_moe(args, group, native, dtype, fp8=True, handle=handle),
                              FP8_TOLERANCE))

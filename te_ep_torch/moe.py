@@ -390,17 +390,18 @@ class GroupedExperts(nn.Module):
             return self.impl
         return "grouped_mm" if grouped_mm_supported(device, dtype, self.hidden, self.ffn_hidden) else "loop"
 
-    def hold_weight_grads(self, tokens: Tensor) -> Optional[HeldWeightGrads]:
+    def hold_weight_grads(self, tokens: Tensor, comm_sms: int = 0) -> Optional[HeldWeightGrads]:
         """A :class:`~te_ep_torch.zones.HeldWeightGrads` of this rank's expert weights, for
         :meth:`forward`'s ``held``, where it applies: in eager autograd (grad mode on, not
         compiling), weights that take gradients, and ``torch._grouped_mm`` for rows like
         ``tokens``; else ``None``. :meth:`EpStep.run <te_ep_torch.step.EpStep.run>` calls it
-        before each dispatch."""
+        before each dispatch; ``comm_sms``: SMs the weight-gradient GEMMs leave to the
+        communication beside them."""
         weights = (_local(self.w_gate), _local(self.w_up), _local(self.w_down))
         if (not torch.is_grad_enabled() or torch.compiler.is_compiling() or not any(w.requires_grad for w in weights)
                 or self.resolved_impl(tokens.device, tokens.dtype) != "grouped_mm"):
             return None
-        return HeldWeightGrads(weights)
+        return HeldWeightGrads(weights, comm_sms)
 
     def forward(self, x: Tensor, expert_counts: Tensor, held: Optional[HeldWeightGrads] = None) -> Tensor:
         """Runs the local experts (:func:`te_ep_torch.zones.expert_ffn`).

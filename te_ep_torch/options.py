@@ -76,11 +76,13 @@ class EpOptions:
             forward and backward. ``1`` (default): one dispatch and one combine per step.
             ``capacity`` and ``capacity_factor`` keep meaning the whole step's receive rows:
             each chunk's handle gets its share (docs/moe.md, "Chunked step").
-        comm_sms: SMs that the experts' GEMMs of a chunked step leave free while they run beside
-            its communication kernels, in forward and backward (torch's SM carveout for its
-            persistent GEMMs, ``torch._grouped_mm`` and cuBLAS: a GEMM that holds every SM keeps
-            NCCL EP's kernels from starting until it ends). ``0`` (default): none. Used on CUDA
-            with ``chunks`` > 1; compiled layers run sequentially and ignore it.
+        comm_sms: SMs that the expert GEMMs running beside the step's communication kernels
+            leave free: a chunked step's experts, forward and backward, and on a communication
+            stream the experts' weight gradients under ``dispatch_bwd`` (torch's SM carveout for
+            its persistent GEMMs, ``torch._grouped_mm`` and cuBLAS: a GEMM that holds every SM
+            keeps NCCL EP's kernels from starting until it ends). ``0`` (default): none. Used on
+            CUDA with a communication stream (``chunks`` > 1 or ``MoE(overlap=True)``); compiled
+            layers run sequentially and ignore it.
     """
 
     backend: str = "auto"

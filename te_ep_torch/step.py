@@ -427,11 +427,12 @@ class EpStep:
                 are (the dispatch is launched there); its result comes back as ``routed``
                 (``None`` for a tuple).
             experts: the layer's local experts on the received zones (called once per chunk). If
-                they offer ``hold_weight_grads(tokens)`` (:class:`te_ep_torch.GroupedExperts`),
+                they offer ``hold_weight_grads(tokens, comm_sms)`` (:class:`te_ep_torch.GroupedExperts`),
                 its result for each chunk (made before that chunk's dispatch, which takes its
                 ``order``) is passed as ``experts(rows, counts, held=...)``: their weight
                 gradients are then made after the dispatch's backward is queued, under its
-                communication (:class:`te_ep_torch.zones.HeldWeightGrads`).
+                communication (:class:`te_ep_torch.zones.HeldWeightGrads`; with ``comm``, their
+                GEMMs leave ``options.comm_sms`` SMs free).
             comm: the communication stream (:class:`~te_ep_torch.overlap.CommStream`), or
                 ``None``: the same calls in the same order, at once.
             behind_dispatch, behind_combine: the caller's work on the current stream while the
@@ -452,6 +453,7 @@ class EpStep:
         launched: list = []
         hold = getattr(experts, "hold_weight_grads", None)
         held: list = []
+        sms = self.options.comm_sms if comm is not None else 0
 
         def on_select(topk_idx: Tensor) -> None:
             idx = topk_idx.tensor_split(n) if n > 1 else (topk_idx,)
@@ -461,7 +463,7 @@ class EpStep:
             idx = topk_idx.tensor_split(n) if n > 1 else (topk_idx,)
             w = topk_weights.tensor_split(n) if n > 1 else (topk_weights,)
             for c in range(n):
-                held.append(hold(parts[c]) if hold is not None else None)
+                held.append(hold(parts[c], sms) if hold is not None else None)
                 launched.append(self._dispatch(handles[c], bad, parts[c], idx[c], w[c],
                                                prepared[c] if prepared else None, comm,
                                                held[c].order if held[c] is not None else None))

@@ -132,15 +132,17 @@ class HeldWeightGrads:
     gradients, only after every node that took an output of it. Gradients are those of
     ``torch._grouped_mm``'s own backward (the same GEMMs); memory: each GEMM's output
     gradient lives on until the weight gradients are made, right after the dispatch's backward
-    is queued. Eager only (:meth:`EpStep.run <te_ep_torch.step.EpStep.run>` holds them where
+    is queued. ``comm_sms``: the weight-gradient GEMMs leave that many SMs free (torch's SM
+    carveout for its persistent GEMMs, as ``EpOptions.comm_sms``), so that the communication
+    kernels beside them can start; ``0``: every SM. Eager only (:meth:`EpStep.run <te_ep_torch.step.EpStep.run>` holds them where
     the experts offer it: :meth:`te_ep_torch.GroupedExperts.hold_weight_grads`)."""
 
     __slots__ = ("weights", "order", "_inputs")
 
-    def __init__(self, weights: Sequence[Tensor]) -> None:
+    def __init__(self, weights: Sequence[Tensor], comm_sms: int = 0) -> None:
         # What each GEMM's backward leaves for its weight's gradient: {weight index: (x, dy, offs)}.
         self._inputs: Dict[int, Tuple[Tensor, Tensor, Tensor]] = {}
-        *views, self.order = _Hold.apply(self._inputs, *weights)
+        *views, self.order = _Hold.apply(self._inputs, comm_sms, *weights)
         self.weights: Tuple[Tensor, ...] = tuple(views)
 
     def linear(self, x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
@@ -156,8 +158,8 @@ class _Hold(torch.autograd.Function):
     backward, the weights' gradients from what the GEMMs left."""
 
     @staticmethod
-    def forward(ctx, inputs: Dict[int, Tuple[Tensor, Tensor, Tensor]], *weights: Tensor):
-        ctx.inputs = inputs
+    def forward(ctx, inputs: Dict[int, Tuple[Tensor, Tensor, Tensor]], comm_sms: int, *weights: Tensor):
+        ctx.inputs, ctx.comm_sms = inputs, comm_sms
         ctx.set_materialize_grads(False)
         return (*(w.view_as(w) for w in weights), weights[0].new_empty(0))
 
@@ -165,11 +167,18 @@ class _Hold(torch.autograd.Function):
     def backward(ctx, *grads: Optional[Tensor]):
         inputs = ctx.inputs
         grads_w = []
-        for i in range(len(grads) - 1):
-            got = inputs.pop(i, None)
-            # torch._grouped_mm's own weight gradient: x^T @ dy, zone by zone.
-            grads_w.append(None if got is None else torch._grouped_mm(got[0].t(), got[1], offs=got[2]))
-        return (None, *grads_w)
+        caller = torch._C._get_sm_carveout_experimental()
+        if ctx.comm_sms:
+            torch._C._set_sm_carveout_experimental(ctx.comm_sms)
+        try:
+            for i in range(len(grads) - 1):
+                got = inputs.pop(i, None)
+                # torch._grouped_mm's own weight gradient: x^T @ dy, zone by zone.
+                grads_w.append(None if got is None else torch._grouped_mm(got[0].t(), got[1], offs=got[2]))
+        finally:
+            if ctx.comm_sms:
+                torch._C._set_sm_carveout_experimental(caller)
+        return (None, None, *grads_w)
 
 
 class _HeldGroupedMm(torch.autograd.Function):

@@ -168,8 +168,8 @@ def _worker_schedule_and_errors(ctx) -> None:
     # outputs and gradients are the unheld layer's, bit for bit.
     from te_ep_torch.moe import GroupedExperts
 
-    def held_run(hold: bool):
-        m = _build(ctx, mesh, n, torch.float32, expert_impl="grouped_mm")
+    def held_run(hold: bool, comm_sms: int = 0):
+        m = _build(ctx, mesh, n, torch.float32, comm_sms=comm_sms, expert_impl="grouped_mm")
         order = []
 
         class GemmLog(TorchDispatchMode):
@@ -178,12 +178,14 @@ def _worker_schedule_and_errors(ctx) -> None:
                 if name == "te_ep.dispatch_bwd":
                     order.append("dispatch_bwd")
                 elif func.overloadpacket is torch.ops.aten._grouped_mm:
-                    order.append("wgrad" if args[1].dim() == 2 else "gemm")
+                    kind = "wgrad" if args[1].dim() == 2 else "gemm"
+                    carveout = torch._C._get_sm_carveout_experimental()
+                    order.append(kind if carveout is None else f"{kind}@{carveout}")
                 return func(*args, **(kwargs or {}))
 
         real_hold = GroupedExperts.hold_weight_grads
         if not hold:
-            GroupedExperts.hold_weight_grads = lambda self, tokens: None
+            GroupedExperts.hold_weight_grads = lambda self, tokens, comm_sms=0: None
         moe_module.comm_stream_for = lambda dev: InlineStream()
         try:
             x = torch.randn(30, 64, generator=torch.Generator().manual_seed(rank)).requires_grad_(True)
@@ -204,6 +206,11 @@ def _worker_schedule_and_errors(ctx) -> None:
     # dispatch, first), then chunk by chunk its dispatch_bwd and its 3 weight gradients.
     assert held_order == ["gemm"] * 3 * n + (["dispatch_bwd"] + ["wgrad"] * 3) * n, held_order
     assert plain_order.index("dispatch_bwd") > plain_order.index("wgrad"), plain_order
+    # comm_sms: the weight gradients leave the SMs too (so do the chunks' own GEMMs), the
+    # caller's setting comes back after.
+    carved_results, carved_order = held_run(True, comm_sms=8)
+    assert carved_order == ["gemm@8"] * 3 * n + (["dispatch_bwd"] + ["wgrad@8"] * 3) * n, carved_order
+    assert torch._C._get_sm_carveout_experimental() is None
 
     # comm_sms: the experts' GEMMs of each chunk run under torch's SM carveout, forward and
     # backward (a probe inside the experts reads it), and the caller's setting comes back after.
