@@ -850,8 +850,8 @@ def main(argv=None) -> None:
     rec.add_argument("--graph", action="store_true",
                      help="capture the step in a CUDA graph after the warm-up and profile its replays (GPU only)")
     rec.add_argument("--comm-sms", type=int, default=0, metavar="K",
-                     help="te.EpOptions(comm_sms=K) with --chunks N > 1: the chunks' expert GEMMs leave K SMs to the "
-                          "communication (the layer's own carveout, during its overlap only)")
+                     help="te.EpOptions(comm_sms=K) with --chunks N > 1 or --overlap: the expert GEMMs beside the "
+                          "communication leave K SMs to it (the layer's own carveout, during its overlap only)")
     rec.add_argument("--sm-carveout", type=int, default=None, metavar="K",
                      help="torch._C._set_sm_carveout_experimental(K) before the warm-up: torch's persistent GEMMs "
                           "leave K SMs free (default: not called)")
@@ -879,8 +879,8 @@ def main(argv=None) -> None:
             parser.error(f"--chunks must be >= 1, got {args.chunks}")
         if args.graph and args.cpu:
             parser.error("--graph captures a CUDA graph: not with --cpu")
-        if args.comm_sms and args.chunks == 1:
-            parser.error("--comm-sms applies to a chunked step: give --chunks N > 1 with it")
+        if args.comm_sms and args.chunks == 1 and not args.overlap:
+            parser.error("--comm-sms applies beside a communication stream: give --chunks N > 1 or --overlap with it")
         if args.compute_only and (args.chunks != 1 or args.overlap):
             parser.error("--compute-only has no communication to chunk or overlap: leave --chunks and --overlap out")
         if args.sm_carveout is not None and args.sm_carveout < 0:

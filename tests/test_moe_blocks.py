@@ -253,14 +253,17 @@ def test_bench_moe_layer_cpu(tmp_path):
 
 def test_bench_moe_layer_cpu_shared_expert_overlap_and_capacity(tmp_path):
     """--shared-ffn gives both layers the same shared expert (verified: its three gradients too);
-    --overlap adds MoE(overlap=True) (sequential on CPU, same results); --capacity-headroom sizes
-    the handles for this routing and adds the default-capacity row."""
-    output, rows = _run_bench(tmp_path, "--overlap", "--shared-ffn", "24", "--capacity-headroom", "1.1")
+    --overlap adds MoE(overlap=True) (sequential on CPU, same results), and with --comm-sms K its
+    comm_sms=K twin; --capacity-headroom sizes the handles for this routing and adds the
+    default-capacity row."""
+    output, rows = _run_bench(tmp_path, "--overlap", "--comm-sms", "0,8", "--shared-ffn", "24",
+                              "--capacity-headroom", "1.1")
     for q in ("grad shared_gate", "grad shared_up", "grad shared_down"):
-        assert sum(line.split()[:2] == q.split() and line.rstrip().endswith("ok") for line in output.splitlines()) == 3, (
-            f"{q} not verified for the three te_ep layers:\n{output}")
+        assert sum(line.split()[:2] == q.split() and line.rstrip().endswith("ok") for line in output.splitlines()) == 4, (
+            f"{q} not verified for the four te_ep layers:\n{output}")
     assert "MISMATCH" not in output and "FAILED" not in output, output
-    assert [r["block"] for r in rows] == ["native", "te_ep", "te_ep-default", "te_ep-overlap", "compute"]
+    assert [r["block"] for r in rows] == ["native", "te_ep", "te_ep-default", "te_ep-overlap", "te_ep-overlap-sms8",
+                                          "compute"]
     assert int(rows[2]["capacity"]) > int(rows[1]["capacity"]) == int(rows[3]["capacity"]), rows
     assert "exposed comm te_ep-overlap[reference, eager]" in output, output
 
