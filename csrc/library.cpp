@@ -103,8 +103,10 @@ TORCH_LIBRARY(te_ep, m) {
   // y [rows, N] + bias [E_local, N] of each row's zone; its backward's bias gradient.
   m.def("zone_bias(Tensor y, Tensor bias, Tensor counts) -> Tensor");
   m.def("zone_bias_bwd(Tensor grad, Tensor counts) -> Tensor");
-  // a + b on the rows in use: the gradient of a tensor two ops read.
+  // a + b on the rows in use: the gradient of a tensor two ops read; _into writes it
+  // into `out` (a combine window, which dispatch_bwd then reads in place).
   m.def("zone_add(Tensor a, Tensor b, Tensor counts) -> Tensor");
+  m.def("zone_add_into(Tensor a, Tensor b, Tensor counts, Tensor(a!) out) -> ()");
   // y * weights[:, None] in float32, rounded to y's dtype (the routing-score
   // weighting before combine); _into writes it into `out` (a combine window).
   m.def("zone_scale(Tensor y, Tensor weights, Tensor counts) -> Tensor");

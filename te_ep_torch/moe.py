@@ -403,7 +403,8 @@ class GroupedExperts(nn.Module):
             return None
         return HeldWeightGrads(weights, comm_sms)
 
-    def forward(self, x: Tensor, expert_counts: Tensor, held: Optional[HeldWeightGrads] = None) -> Tensor:
+    def forward(self, x: Tensor, expert_counts: Tensor, held: Optional[HeldWeightGrads] = None,
+                grad_into: Optional[Tensor] = None) -> Tensor:
         """Runs the local experts (:func:`te_ep_torch.zones.expert_ffn`).
 
         Args:
@@ -412,6 +413,7 @@ class GroupedExperts(nn.Module):
             expert_counts: ``[E_local]`` int32 rows per zone, padding included.
             held: what :meth:`hold_weight_grads` made for this call: the experts run on its
                 weights, which take their gradients after the dispatch's backward.
+            grad_into: where ``x``'s gradient is written (:func:`~te_ep_torch.zones.expert_ffn`).
 
         Returns:
             ``[rows, hidden]``; padding rows zero, rows past the zones unspecified (never
@@ -427,7 +429,7 @@ class GroupedExperts(nn.Module):
                 f"this rank holds {w_gate.shape[0]} experts"
             )
         return expert_ffn(x, expert_counts, (w_gate, w_up), w_down, gate="swiglu",
-                          impl=self.resolved_impl(x.device, x.dtype), held=held)
+                          impl=self.resolved_impl(x.device, x.dtype), held=held, grad_into=grad_into)
 
 
 class MoE(nn.Module):

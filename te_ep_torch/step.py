@@ -429,10 +429,12 @@ class EpStep:
             experts: the layer's local experts on the received zones (called once per chunk). If
                 they offer ``hold_weight_grads(tokens, comm_sms)`` (:class:`te_ep_torch.GroupedExperts`),
                 its result for each chunk (made before that chunk's dispatch, which takes its
-                ``order``) is passed as ``experts(rows, counts, held=...)``: their weight
-                gradients are then made after the dispatch's backward is queued, under its
-                communication (:class:`te_ep_torch.zones.HeldWeightGrads`; with ``comm``, their
-                GEMMs leave ``options.comm_sms`` SMs free).
+                ``order``) is passed as ``experts(rows, counts, held=..., grad_into=...)``: their
+                weight gradients are then made after the dispatch's backward is queued, under
+                its communication (:class:`te_ep_torch.zones.HeldWeightGrads`; with ``comm``,
+                their GEMMs leave ``options.comm_sms`` SMs free), and on a zero-copy handle the
+                rows' gradient is written into its combine window (``grad_into``), which the
+                dispatch's backward reads without a copy.
             comm: the communication stream (:class:`~te_ep_torch.overlap.CommStream`), or
                 ``None``: the same calls in the same order, at once.
             behind_dispatch, behind_combine: the caller's work on the current stream while the
@@ -479,7 +481,8 @@ class EpStep:
         combined = []
         for c in range(n):
             d = self._joined(comm, launched[c], parts[c], handles[c])
-            run_experts = experts if held[c] is None else functools.partial(experts, held=held[c])
+            run_experts = experts if held[c] is None else functools.partial(
+                experts, held=held[c], grad_into=handles[c].combine_buffer() if handles[c].mode == "zero_copy" else None)
             if comm is not None and n > 1:
                 run_experts = _carved(run_experts, self.options.comm_sms)
             combined.append(self.combine(run_experts(d.rows, d.expert_counts), d, comm))

@@ -70,19 +70,25 @@ def zone_scale(y: Tensor, weights: Tensor, counts: Tensor) -> Tensor:
 class _Fork(torch.autograd.Function):
     """``x`` twice, for two ops that read it: autograd would sum their gradients over every
     row of the buffer; this sums them on the zones' rows (``te_ep.zone_add``, rounded once,
-    as autograd's sum is)."""
+    as autograd's sum is), into ``grad_into`` where given (``te_ep.zone_add_into``: a
+    zero-copy handle's combine window, which ``dispatch_bwd`` then reads without a copy)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, counts: Tensor):
+    def forward(ctx, x: Tensor, counts: Tensor, grad_into: Optional[Tensor] = None):
         ctx.save_for_backward(counts)
+        ctx.grad_into = grad_into
         return x.view_as(x), x.view_as(x)
 
     @staticmethod
     def backward(ctx, g1: Optional[Tensor], g2: Optional[Tensor]):
         (counts,) = ctx.saved_tensors
         if g1 is None or g2 is None:
-            return (g1 if g2 is None else g2), None
-        return torch.ops.te_ep.zone_add(g1.contiguous(), g2.contiguous(), counts), None
+            return (g1 if g2 is None else g2), None, None
+        into = ctx.grad_into
+        if into is not None and into.shape == g1.shape and into.dtype == g1.dtype:
+            torch.ops.te_ep.zone_add_into(g1.contiguous(), g2.contiguous(), counts, into)
+            return into, None, None
+        return torch.ops.te_ep.zone_add(g1.contiguous(), g2.contiguous(), counts), None, None
 
 
 def grouped_linear(x: Tensor, w: Tensor, counts: Tensor, impl: str = "grouped_mm",
@@ -217,6 +223,7 @@ def expert_ffn(
     activation: Optional[Callable[[Tensor], Tensor]] = None,
     impl: str = "grouped_mm",
     held: Optional[HeldWeightGrads] = None,
+    grad_into: Optional[Tensor] = None,
 ) -> Tensor:
     """The local experts on the zones of ``rows [R, H]``: ``gate(rows @ w1[e] + b1[e]) @ w2[e] + b2[e]``.
 
@@ -229,6 +236,9 @@ def expert_ffn(
     gate kernel (for activations the zone kernels do not compute). It runs over every row
     of the buffer, so its cost follows the capacity: the one part here that does.
     ``held``: the weights are views of a :class:`HeldWeightGrads`, which takes their gradients.
+    ``grad_into``: ``[R, H]`` (``rows``' shape and dtype) that ``rows``' gradient is written into
+    and returned as, on the rows in use (with ``w1=(w_gate, w_up)``; a zero-copy handle's combine
+    window, which the dispatch's backward reads in place: :meth:`te_ep_torch.EpHandle.combine_buffer`).
     Returns ``[R, H_out]`` in ``w2``'s dtype; rows past the zones unspecified."""
     if activation is None and gate not in GATES:
         raise ValueError(f"expert_ffn: gate must be one of {GATES}, got {gate!r}")
@@ -236,7 +246,7 @@ def expert_ffn(
         if b1 is not None or activation is not None or interleaved:
             raise ValueError("expert_ffn: w1=(w_gate, w_up) takes no b1, activation or interleaved (one w1 does)")
         w_gate, w_up = w1
-        for_gate, for_up = _Fork.apply(rows, counts) if rows.requires_grad else (rows, rows)
+        for_gate, for_up = _Fork.apply(rows, counts, grad_into) if rows.requires_grad else (rows, rows)
         h = zone_glu(grouped_linear(for_gate, w_gate, counts, impl, held), counts, gate, False, alpha, limit,
                      up=grouped_linear(for_up, w_up, counts, impl, held))
     else:

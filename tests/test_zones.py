@@ -169,6 +169,9 @@ def test_zone_add_and_the_fork_of_a_twice_read_input(device):
     a, b = _rows(total + 4, 8, torch.bfloat16, device), _rows(total + 4, 8, torch.bfloat16, device, 1)
     out = torch.ops.te_ep.zone_add(a, b, counts)
     torch.testing.assert_close(out[:total], a[:total] + b[:total], rtol=0, atol=0)
+    into = torch.full_like(a, SENTINEL)
+    torch.ops.te_ep.zone_add_into(a, b, counts, into)
+    assert torch.equal(into[:total], out[:total]) and (into[total:] == SENTINEL).all()
     x = _rows(total + 4, 8, torch.float32, device).requires_grad_()
     w1 = _rows(32, 6, torch.float32, device, 1).view(4, 8, 6)
     w2 = _rows(32, 6, torch.float32, device, 2).view(4, 8, 6)
@@ -336,6 +339,9 @@ def test_held_weight_grads_come_after_the_dispatch_backward(device):
     grad_y = _rows(56, 32, torch.bfloat16, device, 4)
     log = []
 
+    window = torch.empty_like(x0)
+    window_grads = []
+
     class Dispatch(torch.autograd.Function):
         """A dispatch's autograd shape: tokens in, rows out, ``order`` taken and given nothing."""
 
@@ -346,6 +352,7 @@ def test_held_weight_grads_come_after_the_dispatch_backward(device):
         @staticmethod
         def backward(ctx, grad):
             log.append("dispatch_bwd")
+            window_grads.append(grad.data_ptr() == window.data_ptr())
             return grad.clone(), None
 
     class GemmLog(TorchDispatchMode):
@@ -360,7 +367,8 @@ def test_held_weight_grads_come_after_the_dispatch_backward(device):
         held = HeldWeightGrads(weights) if hold else None
         run = held.weights if hold else weights
         rows = Dispatch.apply(tokens, held.order if hold else None)
-        y = expert_ffn(rows, counts, (run[0], run[1]), run[2], impl="grouped_mm", held=held)
+        y = expert_ffn(rows, counts, (run[0], run[1]), run[2], impl="grouped_mm", held=held,
+                       grad_into=window if hold else None)
         log.clear()
         with GemmLog():
             y.backward(grad_y)
@@ -370,6 +378,8 @@ def test_held_weight_grads_come_after_the_dispatch_backward(device):
     plain_results, plain_log = step(False)
     for i, (a, b) in enumerate(zip(held_results, plain_results)):
         assert torch.equal(a[:40], b[:40]) if i < 2 else torch.equal(a, b), f"result {i} differs when held"
+    # The rows' gradient reached the dispatch in the window it was written into (held run only).
+    assert window_grads == [True, False], window_grads
     # Held: the three GEMMs' input gradients, the dispatch's backward, then the weight gradients.
     assert held_log == ["gemm"] * 3 + ["dispatch_bwd"] + ["wgrad"] * 3, held_log
     assert plain_log.index("dispatch_bwd") == len(plain_log) - 1 and plain_log.count("wgrad") == 3, plain_log
@@ -410,6 +420,7 @@ def test_weighted_for_combine_without_a_window_is_zone_scale():
         ("zone_scale", lambda c: (torch.randn(10, 8, requires_grad=True), torch.rand(10, requires_grad=True), c)),
         ("zone_scale_bwd", lambda c: (torch.randn(10, 8), torch.randn(10, 8), torch.rand(10), c)),
         ("zone_add", lambda c: (torch.randn(10, 8), torch.randn(10, 8), c)),
+        ("zone_add_into", lambda c: (torch.randn(10, 8), torch.randn(10, 8), c, torch.zeros(10, 8))),
     ],
 )
 def test_opcheck(op, args):

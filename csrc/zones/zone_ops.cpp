@@ -265,8 +265,7 @@ Tensor zone_bias_bwd(const Tensor& grad, const Tensor& counts) {
   return out;
 }
 
-Tensor zone_add(const Tensor& a, const Tensor& b, const Tensor& counts) {
-  const char* op = "zone_add";
+void add_into(const char* op, const Tensor& a, const Tensor& b, const Tensor& counts, const Tensor& out) {
   const DType dtype = row_dtype(op, "a", a);
   check_rows(op, "a", a);
   check_rows(op, "b", b, a.size(0), a.size(1));
@@ -274,7 +273,6 @@ Tensor zone_add(const Tensor& a, const Tensor& b, const Tensor& counts) {
   check_counts(op, counts, a);
   const c10::DeviceGuard guard(a.device());
   const int64_t rows = a.size(0);
-  Tensor out = at::empty(a.sizes(), a.options());
   if (a.is_cuda()) {
 #if TE_EP_WITH_CUDA
     const Tensor x = a.contiguous();
@@ -282,12 +280,26 @@ Tensor zone_add(const Tensor& a, const Tensor& b, const Tensor& counts) {
     C10_CUDA_CHECK(zones::add_cuda(x.data_ptr(), y.data_ptr(), dtype, rows, a.size(1), counts.data_ptr<int32_t>(),
                                    counts.size(0), out.data_ptr(), stream_of(x)));
 #endif
-    return out;
+    return;
   }
   (void)dtype;
   const int64_t total = cpu_rows_in_use(counts, rows);
   out.narrow(0, 0, total).copy_(a.narrow(0, 0, total) + b.narrow(0, 0, total));
+}
+
+Tensor zone_add(const Tensor& a, const Tensor& b, const Tensor& counts) {
+  Tensor out = at::empty(a.sizes(), a.options());
+  add_into("zone_add", a, b, counts, out);
   return out;
+}
+
+void zone_add_into(const Tensor& a, const Tensor& b, const Tensor& counts, const Tensor& out) {
+  const char* op = "zone_add_into";
+  check_rows(op, "a", a);
+  check_rows(op, "out", out, a.size(0), a.size(1));
+  check_same(op, "out", out, a, "a");
+  TORCH_CHECK(out.is_contiguous(), "te_ep.", op, ": out must be contiguous");
+  add_into(op, a, b, counts, out);
 }
 
 void scale_into(const char* op, const Tensor& y, const Tensor& weights, const Tensor& counts, const Tensor& out) {
@@ -367,6 +379,7 @@ static void register_zone_ops(torch::Library& m) {
   m.impl("zone_bias", &zone_bias);
   m.impl("zone_bias_bwd", &zone_bias_bwd);
   m.impl("zone_add", &zone_add);
+  m.impl("zone_add_into", &zone_add_into);
   m.impl("zone_scale", &zone_scale);
   m.impl("zone_scale_into", &zone_scale_into);
   m.impl("zone_scale_bwd", &zone_scale_bwd);

@@ -1,5 +1,5 @@
-"""The zone family (``te_ep::zone_glu``, ``zone_bias``, ``zone_add``, ``zone_scale``,
-``zone_scale_into`` and their backward ops; C++ in ``csrc/zones/``): fake kernels, the
+"""The zone family (``te_ep::zone_glu``, ``zone_bias``, ``zone_add``, ``zone_add_into``,
+``zone_scale``, ``zone_scale_into`` and their backward ops; C++ in ``csrc/zones/``): fake kernels, the
 registered autograd formulas, and :func:`scale_into_window`, the routing-score weighting
 written into a zero-copy handle's combine window.
 
@@ -81,6 +81,14 @@ def _zone_add_fake(a, b, counts):
     _check(b.shape == a.shape and b.dtype == a.dtype,
            f"{op}: b must be {a.dtype} of shape {tuple(a.shape)}, got {b.dtype} of shape {tuple(b.shape)}")
     return a.new_empty(a.shape)
+
+
+@torch.library.register_fake("te_ep::zone_add_into")
+def _zone_add_into_fake(a, b, counts, out):
+    _zone_add_fake(a, b, counts)
+    _check(out.shape == a.shape and out.dtype == a.dtype,
+           f"te_ep.zone_add_into: out must be {a.dtype} of shape {tuple(a.shape)}, got {out.dtype} of shape "
+           f"{tuple(out.shape)}")
 
 
 def _check_zone_scale(op: str, y: Tensor, weights: Tensor, counts: Tensor) -> None:
