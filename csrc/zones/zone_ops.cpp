@@ -293,13 +293,17 @@ Tensor zone_add(const Tensor& a, const Tensor& b, const Tensor& counts) {
   return out;
 }
 
-void zone_add_into(const Tensor& a, const Tensor& b, const Tensor& counts, const Tensor& out) {
-  const char* op = "zone_add_into";
-  check_rows(op, "a", a);
-  check_rows(op, "out", out, a.size(0), a.size(1));
-  check_same(op, "out", out, a, "a");
+// `out` of an _into op: rows like `like`'s, same dtype and device, contiguous.
+void check_out(const char* op, const Tensor& out, const Tensor& like, const char* like_name) {
+  check_rows(op, like_name, like);
+  check_rows(op, "out", out, like.size(0), like.size(1));
+  check_same(op, "out", out, like, like_name);
   TORCH_CHECK(out.is_contiguous(), "te_ep.", op, ": out must be contiguous");
-  add_into(op, a, b, counts, out);
+}
+
+void zone_add_into(const Tensor& a, const Tensor& b, const Tensor& counts, const Tensor& out) {
+  check_out("zone_add_into", out, a, "a");
+  add_into("zone_add_into", a, b, counts, out);
 }
 
 void scale_into(const char* op, const Tensor& y, const Tensor& weights, const Tensor& counts, const Tensor& out) {
@@ -330,12 +334,8 @@ Tensor zone_scale(const Tensor& y, const Tensor& weights, const Tensor& counts) 
 }
 
 void zone_scale_into(const Tensor& y, const Tensor& weights, const Tensor& counts, const Tensor& out) {
-  const char* op = "zone_scale_into";
-  check_rows(op, "y", y);
-  check_rows(op, "out", out, y.size(0), y.size(1));
-  check_same(op, "out", out, y, "y");
-  TORCH_CHECK(out.is_contiguous(), "te_ep.", op, ": out must be contiguous");
-  scale_into(op, y, weights, counts, out);
+  check_out("zone_scale_into", out, y, "y");
+  scale_into("zone_scale_into", y, weights, counts, out);
 }
 
 std::tuple<Tensor, Tensor> zone_scale_bwd(const Tensor& grad, const Tensor& y, const Tensor& weights,
