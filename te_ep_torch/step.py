@@ -47,7 +47,7 @@ from torch import Tensor
 
 from .group import EpGroup, EpHandle
 from .ops.comm import Fp8DispatchOutput, ep_combine, ep_dispatch, ep_dispatch_fp8, ep_prepare
-from .ops.zones import scale_into_window
+from .ops.zones import fits_window, scale_into_window
 from .options import EpOptions
 from .overlap import _tensors
 
@@ -482,7 +482,7 @@ class EpStep:
         for c in range(n):
             d = self._joined(comm, launched[c], parts[c], handles[c])
             run_experts = experts if held[c] is None else functools.partial(
-                experts, held=held[c], grad_into=handles[c].combine_buffer() if handles[c].mode == "zero_copy" else None)
+                experts, held=held[c], grad_into=handles[c].combine_buffer() if fits_window(handles[c], d.rows) else None)
             if comm is not None and n > 1:
                 run_experts = _carved(run_experts, self.options.comm_sms)
             combined.append(self.combine(run_experts(d.rows, d.expert_counts), d, comm))

@@ -84,10 +84,9 @@ class _Fork(torch.autograd.Function):
         (counts,) = ctx.saved_tensors
         if g1 is None or g2 is None:
             return (g1 if g2 is None else g2), None, None
-        into = ctx.grad_into
-        if into is not None and into.shape == g1.shape and into.dtype == g1.dtype:
-            torch.ops.te_ep.zone_add_into(g1.contiguous(), g2.contiguous(), counts, into)
-            return into, None, None
+        if ctx.grad_into is not None:
+            torch.ops.te_ep.zone_add_into(g1.contiguous(), g2.contiguous(), counts, ctx.grad_into)
+            return ctx.grad_into, None, None
         return torch.ops.te_ep.zone_add(g1.contiguous(), g2.contiguous(), counts), None, None
 
 
@@ -238,10 +237,19 @@ def expert_ffn(
     ``held``: the weights are views of a :class:`HeldWeightGrads`, which takes their gradients.
     ``grad_into``: ``[R, H]`` (``rows``' shape and dtype) that ``rows``' gradient is written into
     and returned as, on the rows in use (with ``w1=(w_gate, w_up)``; a zero-copy handle's combine
-    window, which the dispatch's backward reads in place: :meth:`te_ep_torch.EpHandle.combine_buffer`).
-    Returns ``[R, H_out]`` in ``w2``'s dtype; rows past the zones unspecified."""
+    window, which the dispatch's backward reads in place: :meth:`te_ep_torch.EpHandle.combine_buffer`;
+    :func:`te_ep_torch.ops.zones.fits_window` says when a window fits); any other ``grad_into``
+    raises ``ValueError``. Returns ``[R, H_out]`` in ``w2``'s dtype; rows past the zones unspecified."""
     if activation is None and gate not in GATES:
         raise ValueError(f"expert_ffn: gate must be one of {GATES}, got {gate!r}")
+    if grad_into is not None:
+        if not isinstance(w1, (tuple, list)):
+            raise ValueError("expert_ffn: grad_into needs w1=(w_gate, w_up) (the gradient written there is "
+                             "the sum of the two GEMMs' input gradients); got one w1")
+        if grad_into.shape != rows.shape or grad_into.dtype != rows.dtype or grad_into.device != rows.device:
+            raise ValueError(f"expert_ffn: grad_into must be {rows.dtype} of shape {tuple(rows.shape)} on "
+                             f"{rows.device} (rows'), got {grad_into.dtype} of shape {tuple(grad_into.shape)} "
+                             f"on {grad_into.device}")
     if isinstance(w1, (tuple, list)):
         if b1 is not None or activation is not None or interleaved:
             raise ValueError("expert_ffn: w1=(w_gate, w_up) takes no b1, activation or interleaved (one w1 does)")

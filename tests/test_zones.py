@@ -409,6 +409,44 @@ def test_weighted_for_combine_without_a_window_is_zone_scale():
     torch.testing.assert_close(weighted_for_combine(y, w, counts)[:total], zone_scale(y, w, counts)[:total])
 
 
+def test_one_rule_says_when_rows_go_into_the_combine_window():
+    """ops.zones.fits_window is the rule both writers of a zero-copy handle's combine window
+    follow (the weighting before combine, and EpStep.run's grad_into for the experts' input
+    gradient): zero-copy mode, eager, rows [capacity, hidden] of the handle's dtype; and
+    expert_ffn refuses a grad_into it cannot write instead of falling back."""
+    from types import SimpleNamespace
+
+    from te_ep_torch.ops.zones import fits_window
+
+    cfg = SimpleNamespace(capacity=12, hidden=4, dtype=torch.float32)
+    zero_copy, staged = SimpleNamespace(mode="zero_copy", config=cfg), SimpleNamespace(mode="staged", config=cfg)
+    rows = torch.zeros(12, 4)
+    assert fits_window(zero_copy, rows)
+    assert not fits_window(staged, rows) and not fits_window(None, rows)
+    assert not fits_window(zero_copy, torch.zeros(11, 4)) and not fits_window(zero_copy, torch.zeros(12, 8))
+    assert not fits_window(zero_copy, rows.bfloat16())
+    assert not torch.compile(lambda r: torch.tensor(fits_window(zero_copy, r)), fullgraph=True)(rows)
+
+    counts = _counts("cpu")
+    x = _rows(12, 4, torch.float32, "cpu").requires_grad_()
+    w_gate, w_up, w_down = (torch.randn(4, 4, 6), torch.randn(4, 4, 6), torch.randn(4, 6, 4))
+    with pytest.raises(ValueError, match=r"grad_into must be torch.float32 of shape \(12, 4\)"):
+        expert_ffn(x, counts, (w_gate, w_up), w_down, impl="loop", grad_into=torch.zeros(12, 8))
+    with pytest.raises(ValueError, match=r"grad_into must be torch.float32 of shape \(12, 4\)"):
+        expert_ffn(x, counts, (w_gate, w_up), w_down, impl="loop", grad_into=torch.zeros(12, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"grad_into needs w1=\(w_gate, w_up\)"):
+        expert_ffn(x, counts, torch.cat([w_gate, w_up], 2), w_down, impl="loop", grad_into=torch.zeros(12, 4))
+    # A grad_into it can write: x's gradient is written there, on the rows in use.
+    into = torch.full((12, 4), 7.0)
+    total = int(counts.sum())
+    expert_ffn(x, counts, (w_gate, w_up), w_down, impl="loop", grad_into=into).sum().backward()
+    want = x.grad.clone()
+    x.grad = None
+    expert_ffn(x, counts, (w_gate, w_up), w_down, impl="loop").sum().backward()
+    torch.testing.assert_close(want[:total], x.grad[:total])
+    assert torch.equal(into[:total], want[:total])
+
+
 @pytest.mark.parametrize(
     "op,args",
     [

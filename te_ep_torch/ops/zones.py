@@ -1,7 +1,7 @@
 """The zone family (``te_ep::zone_glu``, ``zone_bias``, ``zone_add``, ``zone_add_into``,
 ``zone_scale``, ``zone_scale_into`` and their backward ops; C++ in ``csrc/zones/``): fake kernels, the
-registered autograd formulas, and :func:`scale_into_window`, the routing-score weighting
-written into a zero-copy handle's combine window.
+registered autograd formulas, :func:`scale_into_window`, the routing-score weighting
+written into a zero-copy handle's combine window, and :func:`fits_window`, when rows may be.
 
 The zone API (:func:`~te_ep_torch.zones.zone_glu`, :func:`~te_ep_torch.zones.expert_ffn`, ...)
 is te_ep_torch/zones.py; docs/ops.md, "Zone ops", is the contract.
@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ._library import _check, _check_probs, _check_rows
 
-__all__ = ["scale_into_window"]
+__all__ = ["fits_window", "scale_into_window"]
 
 
 # ---- fake kernels --------------------------------------------------------------------
@@ -181,15 +181,26 @@ class _ScaleIntoWindow(torch.autograd.Function):
         return grad_y, grad_w, None, None
 
 
+def fits_window(handle, rows: Tensor) -> bool:
+    """Whether rows like ``rows`` may be written into ``handle``'s combine window
+    (:meth:`te_ep_torch.EpHandle.combine_buffer`, which combine and ``dispatch_bwd`` read in
+    place, without a copy). The one rule for both writers, the weighting before combine
+    (:func:`scale_into_window`) and the experts' input gradient before ``dispatch_bwd``
+    (:meth:`EpStep.run <te_ep_torch.step.EpStep.run>`'s ``grad_into``): the handle is in the
+    zero-copy mode, the code runs eagerly (not under ``torch.compile``), and ``rows`` is
+    ``[capacity, hidden]`` of the handle's dtype."""
+    if handle is None or handle.mode != "zero_copy" or torch.compiler.is_compiling():
+        return False
+    cfg = handle.config
+    return tuple(rows.shape) == (cfg.capacity, cfg.hidden) and rows.dtype == cfg.dtype
+
+
 def scale_into_window(y: Tensor, weights: Tensor, counts: Tensor, handle=None) -> Tensor:
     """The expert rows weighted by their routing scores, ready for :func:`~te_ep_torch.ep_combine`:
     ``te_ep.zone_scale(y, weights, counts)`` (:func:`te_ep_torch.zones.zone_scale`).
 
-    With a zero-copy ``handle`` (eager) and rows of the window's shape and dtype, written
-    into its combine window, which combine then reads without a copy; otherwise (other
-    modes, under ``torch.compile``) a new tensor, which combine checks as any input."""
-    if handle is not None and handle.mode == "zero_copy" and not torch.compiler.is_compiling():
-        cfg = handle.config
-        if tuple(y.shape) == (cfg.capacity, cfg.hidden) and y.dtype == cfg.dtype:
-            return _ScaleIntoWindow.apply(y, weights, counts, handle)
+    Written into the handle's combine window where :func:`fits_window` allows (combine then
+    reads it without a copy); otherwise a new tensor, which combine checks as any input."""
+    if fits_window(handle, y):
+        return _ScaleIntoWindow.apply(y, weights, counts, handle)
     return torch.ops.te_ep.zone_scale(y, weights, counts)
