@@ -5,6 +5,8 @@ the communication overlaps compute.
     torchrun --nproc-per-node=2 benchmarks/timeline.py record --out-dir traces/c2 --chunks 2
     # 2. anywhere (no torch needed): overlap, idle time and queue delays per step, medians
     python3 benchmarks/timeline.py overlap traces/c1/rank0.json traces/c2/rank0.json [--csv out.csv]
+    # 2b. where the GPU idles, and which host calls it waited for
+    python3 benchmarks/timeline.py gaps traces/c1/rank0.json
     # 3. anywhere with matplotlib: draw one step's GPU streams
     python3 benchmarks/timeline.py plot traces/c2/rank0.json --out timeline.png
 
@@ -58,6 +60,13 @@ each trace's top kernels by time per step (count, mean duration, grid size: a pe
 GEMM's grid follows the SMs it may use, so a carve-out shows there) and the communication
 kernels' delays. ``--csv`` writes
 every step's numbers and the medians.
+
+``gaps`` lists where the GPU idles in each trace's median step (by GPU span): every stretch of
+at least ``--min-us`` with no operation on any stream, the operations before and after it, how
+much of it came before the next operation was even launched (``late``: the host was behind:
+Python, the dispatcher, an allocation, a synchronisation), and the host calls (``cpu_op``
+ranges of the launching thread, the autograd engine's included) around that launch; and the
+idle time summed by those host calls.
 
 ``plot`` draws one profiled step (``--step``, default the median by GPU span) as one lane per
 CUDA stream, coloured by kind.
@@ -121,6 +130,7 @@ class Op(NamedTuple):
     kind: str
     launch: Optional[float]  # start of the host call that launched it (None: not in the trace)
     grid: Optional[int]  # blocks of a kernel (x * y * z)
+    corr: Optional[int] = None  # the trace's correlation id of its launch
 
 
 class Step(NamedTuple):
@@ -168,7 +178,8 @@ def gpu_ops(trace) -> List[Op]:
             for g in grid:
                 blocks *= int(g)
         ops.append(Op(start, start + float(e.get("dur", 0.0)), int(args["stream"]), name, kind_of(name),
-                      launches.get(int(corr)) if corr is not None else None, blocks))
+                      launches.get(int(corr)) if corr is not None else None, blocks,
+                      int(corr) if corr is not None else None))
     ops.sort(key=lambda op: (op.start, op.end))
     return ops
 
@@ -598,6 +609,105 @@ def overlap(paths: Sequence[str], csv_path: Optional[str] = None, top: int = 15)
 
 
 # ---------------------------------------------------------------------------------------------
+# Idle gaps: where the GPU waits, and for which host call
+# ---------------------------------------------------------------------------------------------
+
+
+class Gap(NamedTuple):
+    """A stretch of a step when no GPU operation runs on any stream (microseconds)."""
+
+    at: float  # from the step's first GPU operation
+    length: float
+    before: str  # the operation that ended last before it
+    after: str  # the operation that starts at its end
+    host_late: Optional[float]  # of ``length``, the part before ``after`` was launched (None: no launch)
+    host: str  # the host calls around ``after``'s launch, outermost first ("-": none in the trace)
+
+
+def host_calls(trace) -> Tuple[Dict[int, Tuple[float, object]], Dict[object, List[Tuple[float, float, str]]]]:
+    """``{correlation: (launch start, thread)}`` and ``{thread: [(start, end, name)] of the
+    host ops (cpu_op, user_annotation) by start}`` of a trace."""
+    launches: Dict[int, Tuple[float, object]] = {}
+    ops: Dict[object, List[Tuple[float, float, str]]] = collections.defaultdict(list)
+    for e in _events(trace):
+        if e.get("ph") != "X":
+            continue
+        cat, args = e.get("cat"), e.get("args", {})
+        if cat in LAUNCH_CATEGORIES and "correlation" in args:
+            corr, ts = int(args["correlation"]), float(e["ts"])
+            if corr not in launches or ts < launches[corr][0]:
+                launches[corr] = (ts, e.get("tid"))
+        elif cat in ("cpu_op", "user_annotation") and not _STEP_NAME.match(str(e.get("name", ""))):
+            ts = float(e["ts"])
+            ops[e.get("tid")].append((ts, ts + float(e.get("dur", 0.0)), str(e.get("name", ""))))
+    for thread_ops in ops.values():
+        thread_ops.sort(key=lambda o: (o[0], -o[1]))
+    return launches, ops
+
+
+def _around(ops: Sequence[Tuple[float, float, str]], t: float, depth: int) -> str:
+    """The innermost ``depth`` host ops of one thread that hold ``t``, outermost first."""
+    holding = [o for o in ops[: bisect.bisect_right([o[0] for o in ops], t)] if o[1] >= t]
+    holding.sort(key=lambda o: (o[0], -o[1]))
+    names = [o[2] for o in holding][-depth:]
+    return " > ".join(names) if names else "-"
+
+
+def step_gaps(step: Step, launches, host_ops, min_us: float = 5.0, depth: int = 3) -> List[Gap]:
+    """The idle stretches of ``step`` of at least ``min_us``, in order."""
+    ops = sorted((op for op in step.ops if op.end >= op.start), key=lambda o: (o.start, o.end))
+    if not ops:
+        return []
+    origin = ops[0].start
+    busy = merge((op.start, op.end) for op in ops)
+    out = []
+    for (_, gap_start), (gap_end, _) in zip(busy, busy[1:]):
+        if gap_end - gap_start < min_us:
+            continue
+        before = max((op for op in ops if op.end <= gap_start), key=lambda o: o.end)
+        after = next(op for op in ops if op.start >= gap_end)
+        launch = launches.get(after.corr) if after.corr is not None else None
+        late = None if launch is None else min(gap_end - gap_start, max(0.0, launch[0] - gap_start))
+        host = "-" if launch is None else _around(host_ops.get(launch[1], []), launch[0], depth)
+        out.append(Gap(gap_start - origin, gap_end - gap_start, short_name(before.name, 48),
+                       short_name(after.name, 48), late, host))
+    return out
+
+
+def gaps(paths: Sequence[str], min_us: float = 5.0, top: int = 20, depth: int = 3) -> None:
+    """Prints, per trace, its median step's idle stretches: the longest ``top``, and the idle
+    time summed by the host calls around the launch of the operation that ends each stretch
+    (where the launch came after the GPU had gone idle, the host was late: the step waited
+    for Python, the dispatcher or a synchronisation, not for the GPU)."""
+    for path in paths:
+        trace = load_trace(path)
+        steps = steps_from_trace(trace)
+        step = median_step(steps)
+        launches, host_ops = host_calls(trace)
+        found = step_gaps(step, launches, host_ops, min_us, depth)
+        total = sum(g.length for g in found)
+        late = sum(g.host_late or 0.0 for g in found)
+        print(f"{path}: {step.name} (the median of {len(steps)} by GPU span): {len(found)} idle stretches "
+              f">= {min_us:g} us, {total / 1e3:.3f} ms; of it {late / 1e3:.3f} ms before the next operation's "
+              f"launch (host late)")
+        by_host: Dict[str, List[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
+        for g in found:
+            row = by_host[g.host]
+            row[0] += 1
+            row[1] += g.length
+            row[2] += g.host_late or 0.0
+        print(f"  idle by the host calls around the next launch (top {top}):")
+        print(f"  {'count':>5} {'idle us':>9} {'late us':>9}  host calls (outermost first)")
+        for host, (count, length, host_late) in sorted(by_host.items(), key=lambda kv: -kv[1][1])[:top]:
+            print(f"  {count:>5} {length:>9.1f} {host_late:>9.1f}  {host}")
+        print(f"  longest stretches (top {top}):")
+        print(f"  {'at us':>9} {'idle us':>8} {'late us':>8}  before -> after | host calls")
+        for g in sorted(found, key=lambda g: -g.length)[:top]:
+            print(f"  {g.at:>9.1f} {g.length:>8.1f} {_cell(g.host_late, '{:.1f}'):>8}  {g.before} -> {g.after} "
+                  f"| {g.host}")
+
+
+# ---------------------------------------------------------------------------------------------
 # The picture
 # ---------------------------------------------------------------------------------------------
 
@@ -866,6 +976,11 @@ def main(argv=None) -> None:
     ovl.add_argument("traces", nargs="+")
     ovl.add_argument("--csv", help="also write every step's numbers and the medians to this CSV file")
     ovl.add_argument("--top", type=int, default=15, help="kernel names listed per trace (default 15)")
+    gap = sub.add_parser("gaps", help="where the GPU idles in the median profiled step, and the host calls behind it")
+    gap.add_argument("traces", nargs="+")
+    gap.add_argument("--min-us", type=float, default=5.0, help="shortest idle stretch counted (default 5 us)")
+    gap.add_argument("--top", type=int, default=20, help="rows listed (default 20)")
+    gap.add_argument("--depth", type=int, default=3, help="host calls named around each launch (default 3)")
     plo = sub.add_parser("plot", help="draw a recorded step's GPU streams to a PNG")
     plo.add_argument("trace")
     plo.add_argument("--out", required=True)
@@ -888,6 +1003,8 @@ def main(argv=None) -> None:
         record(args)
     elif args.command == "overlap":
         overlap(args.traces, args.csv, args.top)
+    elif args.command == "gaps":
+        gaps(args.traces, args.min_us, args.top, args.depth)
     else:
         plot(args.trace, args.out, args.title, args.step)
 

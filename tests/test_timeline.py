@@ -392,3 +392,54 @@ def test_record_compute_only_cpu(tmp_path):
                               "--chunks", "2"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, timeout=60)
     assert refused.returncode == 2 and "--compute-only has no communication" in refused.stdout, refused.stdout
+
+
+def test_gaps_name_the_host_calls_behind_each_idle_stretch(capsys):
+    """``gaps``: an idle stretch is cut between the last operation to end and the next to start,
+    on any stream; its ``late`` part runs until the next operation's launch (by correlation id)
+    and the host calls named are those of the launching thread that hold that launch."""
+    def launch(corr, ts, tid=1):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 2, "tid": tid,
+                "args": {"correlation": corr}}
+
+    def kernel(name, ts, dur, stream, corr):
+        e = _kernel(name, ts, dur, stream)
+        e["args"]["correlation"] = corr
+        return e
+
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "user_annotation", "name": "te_ep_step 0", "ts": 0, "dur": 1000, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1, "dur": 10, "tid": 1},
+        launch(1, 2),
+        kernel("sm90_xmma_gemm_bf16", 10, 100, 7, 1),          # [10, 110)
+        launch(2, 20),
+        kernel("ncclEpHtDispatchKernel", 50, 80, 21, 2),       # [50, 130): overlaps the GEMM
+        # The next kernel's launch (at 300) comes 170 us after the GPU went idle (130), inside
+        # te_ep::dispatch inside autograd's engine on thread 2.
+        {"ph": "X", "cat": "cpu_op", "name": "autograd::engine::evaluate_function: X", "ts": 250, "dur": 100,
+         "tid": 2},
+        {"ph": "X", "cat": "cpu_op", "name": "te_ep::dispatch", "ts": 280, "dur": 40, "tid": 2},
+        launch(3, 300, tid=2),
+        kernel("te_ep::zones::glu_kernel", 320, 10, 7, 3),     # idle [130, 320): 190 us, 170 late
+        launch(4, 305, tid=2),
+        kernel("sm90_xmma_gemm_bf16", 333, 10, 7, 4),          # idle [330, 333): under min_us
+        kernel("Memset (Device)", 400, 5, 7, None),            # no launch in the trace
+    ]}
+    steps = timeline.steps_from_trace(trace)
+    launches, host_ops = timeline.host_calls(trace)
+    found = timeline.step_gaps(steps[0], launches, host_ops, min_us=5.0)
+    assert [(g.at, g.length, g.host_late) for g in found] == [(120.0, 190.0, 170.0), (333.0, 57.0, None)]
+    assert found[0].before == "ncclEpHtDispatchKernel" and found[0].after == "te_ep::zones::glu_kernel"
+    assert found[0].host == "autograd::engine::evaluate_function: X > te_ep::dispatch"
+    assert found[1].host == "-"
+    assert timeline.step_gaps(steps[0], launches, host_ops, min_us=0.0, depth=1)[1].length == 3.0
+
+
+def test_gaps_report(tmp_path, capsys):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(TRACE))
+    timeline.main(["gaps", str(path), "--min-us", "1"])
+    out = capsys.readouterr().out
+    # TRACE: busy [100, 180) and [200, 205): one 20 us stretch, no launches in the trace.
+    assert "1 idle stretches >= 1 us, 0.020 ms; of it 0.000 ms before the next operation's launch" in out
+    assert "sm90_xmma_gemm_bf16 -> Memset (Device) | -" in out
