@@ -88,7 +88,11 @@ iterations of the slowest rank, the tokens per second per GPU that it means and
 its speedup over ``native`` (native time / row time). ``fwd ms`` times the
 forward alone (autograd graph recorded, then dropped). ``step GiB`` (GPU only)
 is the peak memory a step allocates on top of what was resident before it
-(activations, communication buffers, gradients), worst rank.
+(activations, communication buffers, gradients), worst rank. ``--queued`` adds
+``queued ms``, the step issued behind a 2 ms spin of the GPU and timed from the spin's end
+(the GPU's own time, with the host ahead as in a training step that has work queued before
+the layer), and ``host ms``, the host's wall time of the step's calls: a row whose ``fwd+bwd
+ms`` exceeds its ``queued ms`` waited for its host path (Python, launches, synchronisations).
 
 te_ep receive capacity: the layer's default (``EpGroup.worst_case_capacity``, which no
 routing overflows) unless --capacity-headroom X (this run's routing, the same every step,
@@ -224,6 +228,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="comma-separated SM counts the GEMMs beside the communication leave to it "
                              "(te.EpOptions(comm_sms=K)); each K != 0 adds a te_ep-chunksN-smsK row per N (and "
                              "te_ep-overlap-smsK with --overlap); default 0")
+    parser.add_argument("--queued", action="store_true",
+                        help="also time each step queued behind a spin of the GPU (its GPU time, the host ahead, "
+                             "as in a training step with work queued before the layer: 'queued ms') and the "
+                             "host's wall time of the step's calls ('host ms')")
     parser.add_argument("--warmup", type=int, help="untimed steps per measurement (default 10; cpu 1)")
     parser.add_argument("--iters", type=int, help="timed steps per measurement (default 30; cpu 3)")
     parser.add_argument("--no-compute-only", action="store_true",
@@ -372,6 +380,10 @@ COLUMNS = [
     Column("x native", ">9", "speedup", ".2f"), Column("fwd x", ">6", "fwd_speedup", ".2f"),
     Column("step GiB", ">9", "step_GiB", ".2f"),
 ]
+
+# --queued: the step issued behind a spin of the GPU (_common.QUEUE_AHEAD_MS), timed from the
+# spin's end (the GPU's time with the host ahead), and the host's wall time of the step's calls.
+QUEUED_COLUMNS = [Column("queued ms", ">10", "queued_ms", ".3f"), Column("host ms", ">8", "host_ms", ".3f")]
 
 
 class Layer(NamedTuple):
@@ -556,7 +568,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             fwd = None
             if run.forward is not None:
                 fwd = _common.median_ms(run.forward, device, args.warmup, args.iters, ranks=True, before=run.before).ms
-            step = _common.median_ms(run.step, device, args.warmup, args.iters, ranks=True, before=run.before).ms
+            timing = _common.median_ms(run.step, device, args.warmup, args.iters, ranks=True, before=run.before,
+                                       queued=args.queued)
+            step = timing.ms
             peak_gib = None
             if peak and run.mode != "graph":
                 value = torch.tensor([(torch.cuda.max_memory_allocated(device) - resident) / 2**30], device=device)
@@ -569,6 +583,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 "shared_ffn": args.shared_ffn, "dtype": args.dtype, "alignment": alignment,
                 "fwd_ms": fwd, "step_ms": step, "tokens_per_s_per_gpu": args.tokens / (step * 1e-3),
                 "step_GiB": peak_gib, "_mode": mode,
+                **({"queued_ms": timing.queued_ms, "host_ms": timing.host_ms} if args.queued else {}),
             })
             # One captured graph alive at a time: several slow each other's replays (measured at EP size
             # 1: te.MoE 16.9 ms with five other graphs alive, 14.0 alone), and a graph holds NCCL
@@ -604,7 +619,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if rank == 0:
         print()
-        _common.print_table(COLUMNS, rows)
+        _common.print_table(COLUMNS + (QUEUED_COLUMNS if args.queued else []), rows)
         print("x native = native time / row time in the same mode, forward + backward ('fwd x': forward alone); "
               "step GiB = peak memory a step adds to what is resident (worst rank)")
         for line in dict.fromkeys(notes):

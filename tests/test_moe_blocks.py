@@ -459,3 +459,12 @@ def test_tutorial_comparison_script_runs(tmp_path):
     diffs = [float(v) for v in re.findall(r"max \|diff\| ([0-9.e+-]+)", output)]
     assert len(diffs) == WORLD * len(QUANTITIES), output
     assert max(diffs) <= 1e-5, output
+
+
+def test_bench_moe_layer_cpu_queued(tmp_path):
+    """--queued adds each row's step timed behind a spin (on CPU: the wall time, as every field)
+    and the host's time, to the table and the CSV."""
+    output, rows = _run_bench(tmp_path, "--queued", "--no-compute-only")
+    assert "queued ms" in output and "host ms" in output, output
+    assert [r["block"] for r in rows] == ["native", "te_ep"], rows
+    assert all(float(r["queued_ms"]) > 0 and float(r["host_ms"]) > 0 for r in rows), rows
