@@ -83,12 +83,15 @@ exceeds the dtype's tolerance.
 
 A step is forward + backward of the layer on the same input with a fixed output
 gradient. Each timed iteration starts after a barrier and a device
-synchronisation and is timed with CUDA events; a row reports the median over
-iterations of the slowest rank, the tokens per second per GPU that it means and
+synchronisation and is timed with CUDA events; in the eager and compile modes the
+layers take turns (each iteration times every layer once, in reverse order every
+other iteration), so that a drift of the machine weighs on every row alike; in the
+graph mode each layer's graph is captured, timed and released before the next one's
+(one graph alive at a time). A row reports the median over iterations of the slowest rank, the tokens per second per GPU that it means and
 its speedup over ``native`` (native time / row time). ``fwd ms`` times the
 forward alone (autograd graph recorded, then dropped). ``step GiB`` (GPU only)
 is the peak memory a step allocates on top of what was resident before it
-(activations, communication buffers, gradients), worst rank. ``--queued`` adds
+(activations, communication buffers, gradients), worst rank, from one untimed step. ``--queued`` adds
 ``queued ms``, the step issued behind a 2 ms spin of the GPU and timed from the spin's end
 (the GPU's own time, with the host ahead as in a training step that has work queued before
 the layer), and ``host ms``, the host's wall time of the step's calls: a row whose ``fwd+bwd
@@ -122,7 +125,7 @@ import dataclasses
 import math
 import os
 import sys
-from typing import Callable, Dict, List, NamedTuple, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -484,6 +487,47 @@ def runner(mode: str, layer: Layer, native: NativeMoEBlock, x: torch.Tensor, gra
     return Runner("graph", lambda: state["graph"].replay(), None, None, lambda: captured, release)
 
 
+def _step_gib(run: Runner, device: torch.device) -> float:
+    """The peak memory one step adds to what is resident (GiB, worst rank)."""
+    if run.before is not None:
+        run.before()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    resident = torch.cuda.memory_allocated(device)
+    run.step()
+    torch.cuda.synchronize(device)
+    value = torch.tensor([(torch.cuda.max_memory_allocated(device) - resident) / 2**30], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value.item())
+
+
+def _timed(runs: List[Runner], args, device: torch.device) -> List[Tuple[Optional[float], _common.Timing]]:
+    """``(forward ms or None, step timing)`` of each of ``runs``, timed in turns."""
+    steps = _common.interleaved_median_ms([_common.Call(r.step, r.before) for r in runs], device, args.warmup,
+                                          args.iters, ranks=True, queued=args.queued)
+    with_forward = [i for i, r in enumerate(runs) if r.forward is not None]
+    forwards = _common.interleaved_median_ms([_common.Call(runs[i].forward, runs[i].before) for i in with_forward],
+                                             device, args.warmup, args.iters, ranks=True) if with_forward else []
+    fwd: List[Optional[float]] = [None] * len(runs)
+    for i, timing in zip(with_forward, forwards):
+        fwd[i] = timing.ms
+    return list(zip(fwd, steps))
+
+
+def _row(args, world: int, alignment: int, mode: str, layer: Layer, run: Runner, gib: Optional[float],
+         fwd: Optional[float], timing: _common.Timing) -> Dict:
+    return {
+        "block": layer.name, "mode": run.mode, "backend": layer.backend, "gemm": layer.gemm,
+        "capacity": layer.capacity if layer.capacity else "-", "world": world, "tokens": args.tokens,
+        "hidden": args.hidden, "ffn": args.ffn, "experts": args.experts, "top_k": args.top_k,
+        "shared_ffn": args.shared_ffn, "dtype": args.dtype, "alignment": alignment,
+        "fwd_ms": fwd, "step_ms": timing.ms, "tokens_per_s_per_gpu": args.tokens / (timing.ms * 1e-3),
+        "step_GiB": gib, "_mode": mode,
+        **({"queued_ms": timing.queued_ms, "host_ms": timing.host_ms} if args.queued else {}),
+    }
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     device = _common.init_distributed(args.device)
@@ -546,8 +590,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows, notes = [], []
     for mode in args.modes:
         if rank == 0:
-            print(f"\n{mode}: each layer verified, then timed, its captured graph (graph mode) released before "
-                  "the next layer's is captured", flush=True)
+            print(f"\n{mode}: every layer verified, then " + (
+                "each timed alone, its captured graph released before the next layer's is captured" if mode == "graph"
+                else "all timed in turns (each iteration times every layer once)"), flush=True)
+        # A captured graph is timed and released before the next is captured: several alive slow
+        # each other's replays (measured at EP size 1: te.MoE 16.9 ms with five other graphs alive,
+        # 14.0 alone), and a graph holds NCCL resources the groups' shutdown frees. Eager and
+        # compiled layers are timed in turns, so that a drift of the machine weighs on every row
+        # alike and the ratios to native hold it out.
+        ready: List[Tuple[Layer, Runner, Optional[float]]] = []
         for layer in layers:
             run = runner(mode, layer, native, x, grad_out, args.warmup, notes)
             got = run.results()  # also the untimed first call (compilation) of the layer
@@ -560,36 +611,17 @@ def main(argv: Optional[List[str]] = None) -> int:
                     verify_ok &= ok
                     if rank == 0:
                         print(f"  {what:<14} max|diff| {max_abs:.3e}  rel L2 {rel:.3e}  {'ok' if ok else 'MISMATCH'}")
-            got = None  # its gradients would stay resident next to the timed steps' and count in their peak
-            if peak:
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(device)
-                resident = torch.cuda.memory_allocated(device)
-            fwd = None
-            if run.forward is not None:
-                fwd = _common.median_ms(run.forward, device, args.warmup, args.iters, ranks=True, before=run.before).ms
-            timing = _common.median_ms(run.step, device, args.warmup, args.iters, ranks=True, before=run.before,
-                                       queued=args.queued)
-            step = timing.ms
-            peak_gib = None
-            if peak and run.mode != "graph":
-                value = torch.tensor([(torch.cuda.max_memory_allocated(device) - resident) / 2**30], device=device)
-                dist.all_reduce(value, op=dist.ReduceOp.MAX)
-                peak_gib = float(value.item())
-            rows.append({
-                "block": layer.name, "mode": run.mode, "backend": layer.backend, "gemm": layer.gemm,
-                "capacity": layer.capacity if layer.capacity else "-", "world": world, "tokens": args.tokens,
-                "hidden": args.hidden, "ffn": args.ffn, "experts": args.experts, "top_k": args.top_k,
-                "shared_ffn": args.shared_ffn, "dtype": args.dtype, "alignment": alignment,
-                "fwd_ms": fwd, "step_ms": step, "tokens_per_s_per_gpu": args.tokens / (step * 1e-3),
-                "step_GiB": peak_gib, "_mode": mode,
-                **({"queued_ms": timing.queued_ms, "host_ms": timing.host_ms} if args.queued else {}),
-            })
-            # One captured graph alive at a time: several slow each other's replays (measured at EP size
-            # 1: te.MoE 16.9 ms with five other graphs alive, 14.0 alone), and a graph holds NCCL
-            # resources the groups' shutdown frees.
-            run.release()
-            run = got = None
+            got = None  # its gradients would stay resident next to the measured step's and count in its peak
+            ready.append((layer, run, _step_gib(run, device) if peak and run.mode != "graph" else None))
+            if mode == "graph":
+                rows.append(_row(args, world, alignment, mode, layer, run, ready.pop()[2], *_timed([run], args, device)[0]))
+                run.release()
+            run = None
+        if ready:
+            for (layer, run, gib), timed in zip(ready, _timed([r for _, r, _ in ready], args, device)):
+                rows.append(_row(args, world, alignment, mode, layer, run, gib, *timed))
+                run.release()
+            ready = []
 
     exposed = []
     for mode in args.modes:
