@@ -91,7 +91,8 @@ graph mode each layer's graph is captured, timed and released before the next on
 its speedup over ``native`` (native time / row time). ``fwd ms`` times the
 forward alone (autograd graph recorded, then dropped). ``step GiB`` (GPU only)
 is the peak memory a step allocates on top of what was resident before it
-(activations, communication buffers, gradients), worst rank, from one untimed step. ``--queued`` adds
+with the previous step's gradients (activations, communication buffers; the step's
+gradients take the place of those), worst rank, from one untimed step. ``--queued`` adds
 ``queued ms``, the step issued behind a 2 ms spin of the GPU and timed from the spin's end
 (the GPU's own time, with the host ahead as in a training step that has work queued before
 the layer), and ``host ms``, the host's wall time of the step's calls: a row whose ``fwd+bwd
@@ -488,13 +489,15 @@ def runner(mode: str, layer: Layer, native: NativeMoEBlock, x: torch.Tensor, gra
 
 
 def _step_gib(run: Runner, device: torch.device) -> float:
-    """The peak memory one step adds to what is resident (GiB, worst rank)."""
-    if run.before is not None:
-        run.before()
+    """The peak memory one step adds to what is resident with the previous step's gradients
+    (GiB, worst rank): activations and communication buffers; the step's gradients take the
+    place of the previous ones (``run.before`` drops those as a training loop's zero_grad does)."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     resident = torch.cuda.memory_allocated(device)
+    if run.before is not None:
+        run.before()
     run.step()
     torch.cuda.synchronize(device)
     value = torch.tensor([(torch.cuda.max_memory_allocated(device) - resident) / 2**30], device=device)
