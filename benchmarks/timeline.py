@@ -16,7 +16,9 @@ the communication overlaps compute.
 per rank, hidden 4096, ffn 1536, 64 experts, top-8, bf16; tiny sizes with ``--cpu``).
 ``--chunks N`` enables it with ``te.EpOptions(chunks=N)``, ``--overlap`` builds
 ``te.MoE(overlap=True)``, ``--compute-only`` times bench_moe_layer's compute-only stand-in
-(``ComputeOnlyMoE``: the same router, experts and weighting, no communication).
+(``ComputeOnlyMoE``: the same router, experts and weighting, no communication);
+``--compile`` wraps the layer in ``torch.compile(fullgraph=True)`` (bench_moe_layer's compile
+mode) and ``--graph`` replays the step captured in a CUDA graph.
 ``--sm-carveout K`` calls ``torch._C._set_sm_carveout_experimental(K)`` before the warm-up,
 so that torch's persistent GEMMs (``torch._grouped_mm`` included) leave K SMs free for
 kernels on other streams. After ``--warmup`` steps it profiles ``--steps`` steps (default 3)
@@ -485,6 +487,8 @@ def label_of(meta: Dict, path: str) -> str:
         words.append(f"cs{meta['comm_sms']}")
     if meta.get("graph"):
         words.append("graph")
+    if meta.get("compile"):
+        words.append("compiled")
     if meta.get("overlap"):
         words.append("ov")
     if meta.get("sm_carveout") is not None:
@@ -829,6 +833,8 @@ def record(args) -> None:
     del s  # the native block: only its parameters were needed
     layer = ComputeOnlyMoE(moe, capacity=moe.handles[dtype].config.capacity) if args.compute_only else moe
     what = "compute-only stand-in of te.MoE" if args.compute_only else "te.MoE"
+    if args.compile:
+        layer = torch.compile(layer, fullgraph=True)
 
     leaf = x.detach().clone().requires_grad_()
     params = list(layer.parameters())
@@ -871,7 +877,7 @@ def record(args) -> None:
 
     meta = {
         "layer": what, "compute_only": args.compute_only, "chunks": args.chunks, "comm_sms": args.comm_sms,
-        "overlap": args.overlap, "graph": args.graph,
+        "overlap": args.overlap, "graph": args.graph, "compile": args.compile,
         "sm_carveout": carveout, "rank": rank, "world": world, "backend": group.backend,
         "nccl_ep_mode": nccl_ep_mode, "checks": args.checks, "tokens": args.tokens, "hidden": args.hidden,
         "ffn": args.ffn, "experts": args.experts, "top_k": args.top_k, "shared_ffn": args.shared_ffn,
@@ -957,6 +963,8 @@ def main(argv=None) -> None:
     rec.add_argument("--overlap", action="store_true", help="te.MoE(overlap=True)")
     rec.add_argument("--compute-only", action="store_true",
                      help="the layer's compute-only stand-in (bench_moe_layer's ComputeOnlyMoE: no communication)")
+    rec.add_argument("--compile", action="store_true",
+                     help="torch.compile(layer, fullgraph=True) before the warm-up (bench_moe_layer's compile mode)")
     rec.add_argument("--graph", action="store_true",
                      help="capture the step in a CUDA graph after the warm-up and profile its replays (GPU only)")
     rec.add_argument("--comm-sms", type=int, default=0, metavar="K",
