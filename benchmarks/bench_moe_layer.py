@@ -87,8 +87,9 @@ synchronisation and is timed with CUDA events; in the eager and compile modes th
 layers take turns (each iteration times every layer once, in reverse order every
 other iteration), so that a drift of the machine weighs on every row alike; in the
 graph mode each layer's graph is captured, timed and released before the next one's
-(one graph alive at a time). A row reports the median over iterations of the slowest rank, the tokens per second per GPU that it means and
-its speedup over ``native`` (native time / row time). ``fwd ms`` times the
+(one graph alive at a time). A row reports the median over iterations of the slowest
+rank, the tokens per second per GPU that it means and its speedup over ``native``
+(native time / row time). ``fwd ms`` times the
 forward alone (autograd graph recorded, then dropped). ``step GiB`` (GPU only)
 is the peak memory a step allocates on top of what was resident before it
 with the previous step's gradients (activations, communication buffers; the step's
@@ -617,7 +618,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             got = None  # its gradients would stay resident next to the measured step's and count in its peak
             ready.append((layer, run, _step_gib(run, device) if peak and run.mode != "graph" else None))
             if mode == "graph":
-                rows.append(_row(args, world, alignment, mode, layer, run, ready.pop()[2], *_timed([run], args, device)[0]))
+                gib = ready.pop()[2]
+                rows.append(_row(args, world, alignment, mode, layer, run, gib, *_timed([run], args, device)[0]))
                 run.release()
             run = None
         if ready:
