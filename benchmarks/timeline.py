@@ -154,17 +154,24 @@ def _events(trace) -> List[Dict]:
     return trace["traceEvents"] if isinstance(trace, dict) else trace
 
 
+def launch_calls(trace) -> Dict[int, Tuple[float, object]]:
+    """``{correlation id: (start, thread)}`` of the host calls that launched GPU operations."""
+    launches: Dict[int, Tuple[float, object]] = {}
+    for e in _events(trace):
+        if e.get("ph") == "X" and e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {}):
+            corr, ts = int(e["args"]["correlation"]), float(e["ts"])
+            # Where several host events share an id, the launch call itself (cudaLaunchKernel,
+            # cuLaunchKernelEx, cudaMemcpyAsync ...) is the last; keep the earliest start.
+            if corr not in launches or ts < launches[corr][0]:
+                launches[corr] = (ts, e.get("tid"))
+    return launches
+
+
 def gpu_ops(trace) -> List[Op]:
     """The trace's kernels, copies and memsets, by start time, each with the start of the host
     call that launched it (linked by ``args.correlation``)."""
     events = _events(trace)
-    launches: Dict[int, float] = {}
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {}):
-            corr = int(e["args"]["correlation"])
-            # Where several host events share an id, the launch call itself (cudaLaunchKernel,
-            # cuLaunchKernelEx, cudaMemcpyAsync ...) is the last; keep the earliest start.
-            launches[corr] = min(launches.get(corr, float("inf")), float(e["ts"]))
+    launches = {corr: ts for corr, (ts, _) in launch_calls(trace).items()}
     ops = []
     for e in events:
         args = e.get("args", {})
@@ -629,30 +636,22 @@ class Gap(NamedTuple):
 
 
 def host_calls(trace) -> Tuple[Dict[int, Tuple[float, object]], Dict[object, List[Tuple[float, float, str]]]]:
-    """``{correlation: (launch start, thread)}`` and ``{thread: [(start, end, name)] of the
-    host ops (cpu_op, user_annotation) by start}`` of a trace."""
-    launches: Dict[int, Tuple[float, object]] = {}
+    """:func:`launch_calls` and ``{thread: [(start, end, name)] of the host ops (cpu_op,
+    user_annotation) by start}`` of a trace."""
     ops: Dict[object, List[Tuple[float, float, str]]] = collections.defaultdict(list)
     for e in _events(trace):
-        if e.get("ph") != "X":
-            continue
-        cat, args = e.get("cat"), e.get("args", {})
-        if cat in LAUNCH_CATEGORIES and "correlation" in args:
-            corr, ts = int(args["correlation"]), float(e["ts"])
-            if corr not in launches or ts < launches[corr][0]:
-                launches[corr] = (ts, e.get("tid"))
-        elif cat in ("cpu_op", "user_annotation") and not _STEP_NAME.match(str(e.get("name", ""))):
+        if (e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")
+                and not _STEP_NAME.match(str(e.get("name", "")))):
             ts = float(e["ts"])
             ops[e.get("tid")].append((ts, ts + float(e.get("dur", 0.0)), str(e.get("name", ""))))
     for thread_ops in ops.values():
         thread_ops.sort(key=lambda o: (o[0], -o[1]))
-    return launches, ops
+    return launch_calls(trace), ops
 
 
 def _around(ops: Sequence[Tuple[float, float, str]], t: float, depth: int) -> str:
     """The innermost ``depth`` host ops of one thread that hold ``t``, outermost first."""
-    holding = [o for o in ops[: bisect.bisect_right([o[0] for o in ops], t)] if o[1] >= t]
-    holding.sort(key=lambda o: (o[0], -o[1]))
+    holding = [o for o in ops[: bisect.bisect_right([o[0] for o in ops], t)] if o[1] >= t]  # in ops' order
     names = [o[2] for o in holding][-depth:]
     return " > ".join(names) if names else "-"
 
