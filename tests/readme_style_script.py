@@ -3,7 +3,8 @@ environment: dispatch, experts, combine and backward on gloo, a result checked a
 ranks with a collective of the user's own, then shut down and leave as README ends.
 
 ``--keep-alive``: skip ``group.shutdown()`` and keep the group, the handle and their outputs
-referenced until exit, as a script that forgets to shut down does; then check that
+referenced until exit, as a script that forgets to shut down does, and the benchmarks'
+yardsticks (te_ep_torch.testing's blocks, native and te_ep) with them; then check that
 ``dist.destroy_process_group()`` still destroyed the process group (nothing of te_ep keeps it,
 or gloo's worker threads, alive into the interpreter's finalization).
 """
@@ -40,6 +41,14 @@ print(f"rank {rank}: {check.tolist()}", flush=True)
 # finished by a gloo worker thread), with nothing after it that waits: the case that aborted.
 dist.all_reduce(check)
 assert bool(torch.isfinite(check).all()) and bool((check > 0).all()), check
+
+if keep_alive:
+    from te_ep_torch.testing.moe_blocks import MoEConfig, NativeMoEBlock, TeEpMoEBlock
+
+    config = MoEConfig(hidden=H, ffn=H, num_experts=E, top_k=K, dtype=torch.float32)
+    blocks = [NativeMoEBlock(config, device="cpu"), TeEpMoEBlock(config, group, alignment=4)]
+    block_outputs = [block(x.detach()) for block in blocks]
+    torch.stack([o.sum() for o in block_outputs]).sum().backward()
 
 pg = weakref.ref(dist.group.WORLD)
 if not keep_alive:

@@ -252,6 +252,16 @@ class NativeMoEBlock(_MoEBase):
         self.process_group = pg
         self.alignment = alignment
 
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        # Kept by name, as EpGroup and te.Router keep theirs: a block alive at exit must not keep
+        # the process group (and gloo's worker threads) alive past dist.destroy_process_group().
+        return dist.distributed_c10d._resolve_process_group(self._group_name)
+
+    @process_group.setter
+    def process_group(self, group: dist.ProcessGroup) -> None:
+        self._group_name = group.group_name
+
     def forward(self, x: Tensor) -> Tensor:
         self._check_input(x)
         cfg, world, local = self.config, self.ep_size, self.num_local_experts
@@ -277,7 +287,7 @@ class NativeMoEBlock(_MoEBase):
         order = torch.argsort(expert_of_pair, stable=True)
         token_of_pair = order // top_k
         send = x.index_select(0, token_of_pair)
-        recv = _AllToAll.apply(send, recv_splits, send_splits, self.process_group)
+        recv = _AllToAll.apply(send, recv_splits, send_splits, self._group_name)
 
         # 4. Rows arrive ordered by (source rank, local expert); move each to its
         #    expert's zone of the expert-major buffer, zones padded to `alignment`.
@@ -291,7 +301,7 @@ class NativeMoEBlock(_MoEBase):
         # 5. Reverse: back to arrival order and to the source ranks, then undo the
         #    sort so that row t * K + k is choice k of token t, weight, sum over k
         #    (the reduction accumulates in float32).
-        back = _AllToAll.apply(y.index_select(0, slots), send_splits, recv_splits, self.process_group)
+        back = _AllToAll.apply(y.index_select(0, slots), send_splits, recv_splits, self._group_name)
         unsort = torch.empty_like(order)
         unsort[order] = torch.arange(order.numel(), device=order.device)
         per_choice = back.index_select(0, unsort)
@@ -324,17 +334,20 @@ class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` of rows whose backward is the reverse exchange."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, out_splits: List[int], in_splits: List[int], group) -> Tensor:
-        ctx.splits, ctx.group = (out_splits, in_splits), group
+    def forward(ctx, x: Tensor, out_splits: List[int], in_splits: List[int], group_name: str) -> Tensor:
+        # The group by name: an output's autograd graph must not keep the process group alive.
+        ctx.splits, ctx.group_name = (out_splits, in_splits), group_name
         out = x.new_empty(sum(out_splits), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits,
+                               group=dist.distributed_c10d._resolve_process_group(group_name))
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         out_splits, in_splits = ctx.splits
         grad_x = grad.new_empty(sum(in_splits), *grad.shape[1:])
-        dist.all_to_all_single(grad_x, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        dist.all_to_all_single(grad_x, grad.contiguous(), in_splits, out_splits,
+                               group=dist.distributed_c10d._resolve_process_group(ctx.group_name))
         return grad_x, None, None, None
 
 
