@@ -58,6 +58,19 @@ def close_distributed() -> None:
     dist.destroy_process_group()
 
 
+def leave(code: int) -> None:
+    """Ends a script that used DTensor, once everything is shut down and written, without Python's
+    finalization (as examples/moe_train.py ends): torch's DTensor keeps the device meshes it has
+    seen, and with them the process group and gloo's worker threads, alive past
+    ``dist.destroy_process_group()``, and a worker still releasing a finished collective's tensors
+    (which needs the GIL) while the interpreter finalizes aborts the process now and then
+    ("terminate called without an active exception"). An exception from ``main()`` never gets
+    here: it takes the normal path, traceback included."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

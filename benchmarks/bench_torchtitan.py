@@ -41,7 +41,6 @@ import _common  # first: it sets the environment NCCL reads when it initialises
 
 import argparse
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -208,4 +207,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _common.leave(main())  # DTensor holds the process group past its destruction (see leave)

@@ -292,4 +292,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _common.leave(main())  # DTensor holds the process group past its destruction (see leave)
